@@ -1,0 +1,143 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class DraftDistributions(_message.Message):
+    __slots__ = ("vocab_size", "sparse", "dense_fp16", "sparse_ids_int32", "sparse_probs_fp16", "row_lengths")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FP16_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_IDS_INT32_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_PROBS_FP16_FIELD_NUMBER: _ClassVar[int]
+    ROW_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    sparse: bool
+    dense_fp16: bytes
+    sparse_ids_int32: bytes
+    sparse_probs_fp16: bytes
+    row_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, vocab_size: _Optional[int] = ..., sparse: _Optional[bool] = ..., dense_fp16: _Optional[bytes] = ..., sparse_ids_int32: _Optional[bytes] = ..., sparse_probs_fp16: _Optional[bytes] = ..., row_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CacheRef(_message.Message):
+    __slots__ = ("session_id", "epoch", "start", "tokens", "resync")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    resync: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("cache", "num_tokens", "sampling")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    num_tokens: int
+    sampling: SamplingParams
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("draft_tokens", "distributions", "cache_length", "compute_ms", "batch_size")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    distributions: DraftDistributions
+    cache_length: int
+    compute_ms: float
+    batch_size: int
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("cache", "draft_tokens", "distributions", "sampling")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheRef
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    distributions: DraftDistributions
+    sampling: SamplingParams
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESYNCED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    next_token: int
+    cache_length: int
+    compute_ms: float
+    batch_size: int
+    resynced: bool
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("pool", "address", "sessions", "cache_bytes", "queue_length", "max_sessions", "prefill_tokens", "forward_passes", "evictions", "model", "vocab_size")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    address: str
+    sessions: int
+    cache_bytes: int
+    queue_length: int
+    max_sessions: int
+    prefill_tokens: int
+    forward_passes: int
+    evictions: int
+    model: str
+    vocab_size: int
+    def __init__(self, pool: _Optional[str] = ..., address: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., forward_passes: _Optional[int] = ..., evictions: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,3 @@
+from training.train_pair import main
+
+main()
