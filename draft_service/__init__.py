@@ -1,0 +1,1 @@
+"""The draft pool: proposes γ tokens per session with the exact draft distributions."""

@@ -1,0 +1,93 @@
+"""DraftEngine: γ autoregressive draft steps for a batch of sessions.
+
+Knows nothing of gRPC. Each step is one packed forward over every session still
+drafting; the distributions are quantised to their wire form before sampling, so the
+tokens are drawn from exactly what the target will receive.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec import sampling
+from specdec.errors import InvalidRequest, SpecDecError
+from specdec.model_runner import ForwardItem, ModelRunner
+from specdec.sessions import CacheRef, SessionTable
+from specdec.wire import quantize
+
+MAX_GAMMA = 16
+
+
+@dataclass
+class ProposeJob:
+    ref: CacheRef
+    gamma: int
+    params: sampling.SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # [γ]
+    q: torch.Tensor  # [γ, V] float32 quantised (fp16-exact) distributions
+    cache_length: int
+    compute_ms: float = 0.0
+    batch_size: int = 1
+
+
+class DraftEngine:
+    def __init__(self, runner: ModelRunner, max_sessions: int = 256, max_cache_bytes: int = 0) -> None:
+        self.runner = runner
+        self.sessions = SessionTable(runner, max_sessions, max_cache_bytes)
+        self.forward_passes = 0
+        self.fed_tokens = 0
+
+    def propose(self, jobs: list[ProposeJob]) -> list[Proposal | SpecDecError]:
+        """One batch of proposals; a bad job gets its error back and the rest go on."""
+        t0 = time.perf_counter()
+        results: list[Proposal | SpecDecError | None] = [None] * len(jobs)
+        busy = {j.ref.session_id for j in jobs}
+        live: list[int] = []
+        caches = {}
+        for i, job in enumerate(jobs):
+            try:
+                if not 1 <= job.gamma <= MAX_GAMMA:
+                    raise InvalidRequest(f"num_tokens (γ) must lie in 1..{MAX_GAMMA}, got {job.gamma}")
+                if not job.ref.tokens:
+                    raise InvalidRequest("a proposal needs at least one new committed token to feed")
+                self.sessions.validate(job.ref, extra=job.gamma)
+                caches[i], _ = self.sessions.acquire(job.ref, exact=False, busy=busy)
+                live.append(i)
+            except SpecDecError as exc:
+                results[i] = exc
+        drafted = {i: ([], []) for i in live}
+        feed = {i: torch.tensor(jobs[i].ref.tokens, dtype=torch.long) for i in live}
+        step = 0
+        while live:
+            items = [ForwardItem(caches[i], feed[i], 1) for i in live]
+            logits = self.runner.forward(items)
+            self.forward_passes += 1
+            self.fed_tokens += sum(len(it.tokens) for it in items)
+            still = []
+            for i, row in zip(live, logits):
+                job = jobs[i]
+                q16 = quantize(sampling.logits_to_probs(row[0], job.params))  # [V]
+                position = caches[i].length  # position of the token being drafted
+                u = torch.tensor(sampling.uniform(job.params.seed, position, sampling.STREAM_DRAFT))
+                token = int(sampling.sample_from(q16, u))
+                drafted[i][0].append(token)
+                drafted[i][1].append(q16)
+                if step + 1 < job.gamma:
+                    feed[i] = torch.tensor([token], dtype=torch.long)
+                    still.append(i)
+            live = still
+            step += 1
+        ms = (time.perf_counter() - t0) * 1000
+        for i, (tokens, rows) in drafted.items():
+            results[i] = Proposal(tokens=tokens, q=torch.stack(rows), cache_length=caches[i].length,
+                                  compute_ms=ms, batch_size=len(drafted))
+        return results  # type: ignore[return-value]
+
+    def release(self, session_id: str) -> bool:
+        return self.sessions.release(session_id)

@@ -1,0 +1,27 @@
+"""Errors the engines raise; each maps to one gRPC status in the servers' shells."""
+from __future__ import annotations
+
+
+class SpecDecError(Exception):
+    """Base: the message is meant for a person."""
+
+
+class InvalidRequest(SpecDecError):
+    """Malformed or out-of-range arguments (INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(SpecDecError):
+    """The session id is unknown (NOT_FOUND)."""
+
+
+class CacheMismatch(SpecDecError):
+    """The call expects a cache state this replica does not hold: stale, duplicated or
+    retried call, or an evicted session (FAILED_PRECONDITION). The caller re-syncs."""
+
+
+class Overloaded(SpecDecError):
+    """Capacity is exhausted (RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(SpecDecError):
+    """A dependency (a pool, Redis) cannot be reached (UNAVAILABLE)."""

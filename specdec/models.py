@@ -1,0 +1,85 @@
+"""Loading a draft or target model (local directory, or a Hub id where a hub is reachable),
+choosing the device and dtype once at start, and refusing pairs that cannot work together.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_DRAFT = REPO_ROOT / "models" / "draft"
+BUNDLED_TARGET = REPO_ROOT / "models" / "target"
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are slower there at batch 1), bf16 on GPU by default."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def _local_only(path: str) -> bool:
+    return Path(path).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    path = str(path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=_local_only(path))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a model from {path!r}: {exc}") from exc
+    if config.model_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{path}: model type {config.model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=_local_only(path))
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    path = str(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+
+
+def vocab_size_of(path: str | os.PathLike) -> int:
+    config = AutoConfig.from_pretrained(str(path), local_files_only=_local_only(str(path)))
+    return int(config.vocab_size)
+
+
+def check_pair(draft_path: str | os.PathLike, target_path: str | os.PathLike) -> None:
+    """Refuse a draft/target pair that does not share a vocabulary: speculation compares
+    their distributions token by token, so the ids must mean the same strings."""
+    draft_tok, target_tok = load_tokenizer(draft_path), load_tokenizer(target_path)
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        raise ModelLoadError(
+            f"draft {draft_path} and target {target_path} do not share a vocabulary "
+            f"({len(draft_tok)} vs {len(target_tok)} tokens, or the same size with different ids); "
+            "speculative decoding needs a draft trained with the target's tokenizer")
+    dv, tv = vocab_size_of(draft_path), vocab_size_of(target_path)
+    if dv != tv:
+        raise ModelLoadError(f"draft {draft_path} has {dv} output logits but target {target_path} has {tv}")

@@ -1,0 +1,146 @@
+"""The sampling core of speculative decoding: pure tensor functions, no model, no I/O.
+
+Words (Leviathan et al. 2023, Chen et al. 2023):
+- *draft tokens* x_1..x_γ are sampled from the draft's distributions q_1..q_γ;
+- the target scores them in one pass, giving p_1..p_{γ+1};
+- x_i is *accepted* with probability min(1, p_i(x_i) / q_i(x_i)), left to right;
+- at the first rejection i the *recovered* token is drawn from norm(max(0, p_i − q_i));
+- when all γ are accepted the *bonus* token is drawn from p_{γ+1}.
+The tokens so produced are distributed exactly as the target's own samples. Greedy
+decoding (temperature 0) is the special case where p and q are one-hot: a draft token
+is accepted iff it is the target's argmax, and the recovered token is that argmax.
+
+Every function is vectorised over the batch of sessions and the γ positions; the
+randomness comes in as explicit uniforms (see `uniforms`), so results depend only on
+(seed, position) and never on batching, device or which replica runs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESAMPLE = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = no truncation
+    top_p: float = 1.0  # 1.0 = no truncation
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.greedy or self.top_k > 0 or self.top_p < 1.0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """A counter-based uniform in [0, 1) for (seed, token position, stream).
+
+    Stateless on purpose: any replica or orchestrator that continues a session draws the
+    same numbers, so a seeded request is reproducible across failover and batching. Each
+    position's number in a stream is consumed at most once by the output, which keeps the
+    draws independent of everything already committed.
+    """
+    h = _splitmix64((seed & _MASK64) ^ _splitmix64(position * 4 + stream))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def uniforms(seed: int, start: int, count: int, stream: int) -> torch.Tensor:
+    """[count] float64 uniforms for positions start .. start+count-1."""
+    return torch.tensor([uniform(seed, start + i, stream) for i in range(count)], dtype=torch.float64)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits → [..., V] float32 probabilities under temperature, top-k, top-p.
+
+    Greedy gives a one-hot of the argmax, so one acceptance rule serves both modes.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        drop_sorted = mass_before >= params.top_p  # keeps the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: [..., V] probabilities (need not sum to 1) and [...] uniforms
+    → [...] token ids. Deterministic given u; never returns a zero-probability token."""
+    cdf = probs.double().cumsum(-1)
+    target = u.to(cdf.dtype) * cdf[..., -1]
+    idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    idx = idx.clamp_(max=probs.shape[-1] - 1)
+    # Floating ties at the top of the CDF could land on a trailing zero: step back to the
+    # last token with mass (rare; a gather, not a loop over the vocabulary).
+    bad = probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
+    if bool(bad.any()):
+        last_nonzero = (probs > 0).cumsum(-1).argmax(-1)
+        idx = torch.where(bad, last_nonzero, idx)
+    return idx
+
+
+@dataclass
+class VerifyResult:
+    accepted: torch.Tensor  # [B] int64, number of draft tokens accepted
+    next_token: torch.Tensor  # [B] int64, recovered or bonus token
+
+
+def verify(
+    draft_tokens: torch.Tensor,  # [B, γ] int64
+    q: torch.Tensor,  # [B, γ, V] draft probabilities (exactly what the draft sampled from)
+    p: torch.Tensor,  # [B, γ+1, V] target probabilities
+    u_accept: torch.Tensor,  # [B, γ] uniforms
+    u_resample: torch.Tensor,  # [B, γ+1] uniforms, one per position the new token may take
+    gammas: torch.Tensor | None = None,  # [B] per-session γ_b ≤ γ (padding beyond it)
+) -> VerifyResult:
+    """Speculative acceptance, recovery and bonus for a batch of sessions at once."""
+    B, G = draft_tokens.shape
+    assert q.shape[:2] == (B, G) and p.shape[:2] == (B, G + 1), (q.shape, p.shape)
+    if gammas is None:
+        gammas = torch.full((B,), G, dtype=torch.long, device=p.device)
+    positions = torch.arange(G, device=p.device)
+    if G > 0:
+        p_x = p[:, :G].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+        q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+        ok = (u_accept.to(p_x.device, torch.float64) * q_x.double() < p_x.double())  # accept w.p. min(1, p/q)
+        ok &= positions < gammas.unsqueeze(1)
+        accepted = ok.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
+    else:
+        accepted = torch.zeros(B, dtype=torch.long, device=p.device)
+    rows = torch.arange(B, device=p.device)
+    p_n = p[rows, accepted]  # [B, V]
+    if G > 0:
+        rejected = (accepted < gammas).unsqueeze(-1)
+        q_n = q[rows, accepted.clamp(max=G - 1)] * rejected  # bonus: no q to subtract
+        residual = (p_n - q_n).clamp_(min=0.0)
+        # p == q up to rounding leaves no residual mass: then p itself is the right law.
+        empty = residual.sum(-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_n, residual)
+    else:
+        residual = p_n
+    next_token = sample_from(residual, u_resample.to(p.device)[rows, accepted])
+    return VerifyResult(accepted=accepted, next_token=next_token)

@@ -1,0 +1,94 @@
+"""The in-process speculative loop over a draft and a target engine (no network).
+
+It is the reference the distributed pipeline must match token for token, and a
+baseline for the benchmark. With draft=None or gamma=0 it decodes with the target alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specdec import rounds
+from specdec.errors import SpecDecError
+from specdec.sampling import SamplingParams
+from specdec.wire import decode, encode
+
+
+@dataclass
+class LoopStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class LoopResult:
+    tokens: list[int]
+    stats: LoopStats
+    finish_reason: str
+
+
+def _unwrap(result):
+    if isinstance(result, SpecDecError):
+        raise result
+    return result
+
+
+def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma: int,
+             max_new_tokens: int, eos_id: int | None = None, session_id: str = "local",
+             through_wire: bool = True) -> LoopResult:
+    """Speculative decoding in one process; draft/target are DraftEngine/TargetEngine."""
+    from draft_service.engine import ProposeJob
+    from target_service.engine import VerifyJob
+
+    committed = list(prompt_ids)
+    cur, stats, reason = rounds.Cursor(), LoopStats(), "length"
+    max_len = target.runner.max_length
+    try:
+        while len(committed) - len(prompt_ids) < max_new_tokens:
+            m = len(committed)
+            if m >= max_len:
+                reason = "context"
+                break
+            g = rounds.plan_gamma(gamma if draft is not None else 0, max_new_tokens - (m - len(prompt_ids)), m, max_len)
+            draft_tokens, q = [], None
+            if g:
+                t0 = time.perf_counter()
+                prop = _unwrap(draft.propose([ProposeJob(rounds.draft_ref(session_id, 1, committed, cur), g, params)])[0])
+                draft_tokens, q = prop.tokens, prop.q
+                if through_wire:  # exactly what the distributed pipeline sends
+                    q = decode(encode(q), g)
+                else:
+                    q = q.double() / q.double().sum(-1, keepdim=True)
+                stats.draft_ms += (time.perf_counter() - t0) * 1000
+            t0 = time.perf_counter()
+            ref = rounds.target_ref(session_id, 1, committed, cur)
+            verdict = _unwrap(target.verify([VerifyJob(ref, draft_tokens, q, params)])[0])
+            stats.verify_ms += (time.perf_counter() - t0) * 1000
+            new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
+            kept = len(new)
+            if eos_id is not None and eos_id in new:
+                kept = new.index(eos_id) + 1
+                reason = "eos"
+            committed.extend(new[:kept])
+            cur = rounds.advance(cur, m, g, verdict.accepted, verdict.cache_length, kept)
+            stats.rounds += 1
+            stats.target_passes += 1
+            stats.drafted += g
+            stats.accepted += verdict.accepted
+            stats.accepted_per_round.append(verdict.accepted)
+            if reason == "eos":
+                break
+    finally:
+        if draft is not None:
+            draft.release(session_id)
+        target.release(session_id)
+    return LoopResult(tokens=committed[len(prompt_ids):], stats=stats, finish_reason=reason)

@@ -1,0 +1,85 @@
+"""The exact wire encoding of draft distributions.
+
+The draft quantises its distributions to fp16 *before* sampling and samples from the
+quantised values, so what travels is exactly the law the draft tokens were drawn from:
+losslessness holds for what the target receives. Rows travel sparse (token ids +
+fp16 probabilities) when that is smaller — always under greedy, top-k or top-p, and often
+at temperature 1, where fp16 flushes the long tail to zero — and dense fp16 otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class EncodedDistributions:
+    vocab_size: int
+    sparse: bool
+    dense_fp16: bytes = b""
+    sparse_ids_int32: bytes = b""
+    sparse_probs_fp16: bytes = b""
+    row_lengths: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.dense_fp16) + len(self.sparse_ids_int32) + len(self.sparse_probs_fp16) + 4 * len(self.row_lengths)
+
+
+def quantize(probs: torch.Tensor) -> torch.Tensor:
+    """[..., V] float probabilities → the fp16 values that travel (as float32)."""
+    return probs.half().float()
+
+
+def encode(q16: torch.Tensor) -> EncodedDistributions:
+    """[γ, V] quantised probabilities (output of `quantize`) → the smaller exact encoding."""
+    gamma, vocab = q16.shape
+    nonzero = q16 > 0
+    nnz = int(nonzero.sum())
+    if nnz * 6 < gamma * vocab * 2:
+        rows, ids = nonzero.nonzero(as_tuple=True)  # row-major order
+        return EncodedDistributions(
+            vocab_size=vocab, sparse=True,
+            sparse_ids_int32=ids.to(torch.int32).cpu().numpy().tobytes(),
+            sparse_probs_fp16=q16[rows, ids].half().cpu().numpy().tobytes(),
+            row_lengths=tuple(nonzero.sum(-1).tolist()),
+        )
+    return EncodedDistributions(vocab_size=vocab, sparse=False,
+                                dense_fp16=q16.half().cpu().numpy().tobytes())
+
+
+class WireFormatError(ValueError):
+    pass
+
+
+def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """→ [γ, V] float64 distributions, normalised exactly as the draft's sampler weighs them."""
+    V = enc.vocab_size
+    if V <= 0:
+        raise WireFormatError("draft distributions carry no vocabulary size")
+    if enc.sparse:
+        lengths = list(enc.row_lengths)
+        if len(lengths) != gamma or any(n < 1 or n > V for n in lengths):
+            raise WireFormatError(f"sparse draft distributions need {gamma} rows of 1..{V} entries")
+        total = sum(lengths)
+        if len(enc.sparse_ids_int32) != 4 * total or len(enc.sparse_probs_fp16) != 2 * total:
+            raise WireFormatError("sparse draft distributions: byte lengths do not match row_lengths")
+        ids = torch.from_numpy(np.frombuffer(enc.sparse_ids_int32, dtype=np.int32).astype(np.int64))
+        vals = torch.from_numpy(np.frombuffer(enc.sparse_probs_fp16, dtype=np.float16).astype(np.float64))
+        if total and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            raise WireFormatError(f"sparse draft distributions: token id outside 0..{V - 1}")
+        rows = torch.repeat_interleave(torch.arange(gamma), torch.tensor(lengths))
+        q = torch.zeros(gamma, V, dtype=torch.float64)
+        q[rows, ids] = vals
+    else:
+        if len(enc.dense_fp16) != 2 * gamma * V:
+            raise WireFormatError(f"dense draft distributions need {2 * gamma * V} bytes, got {len(enc.dense_fp16)}")
+        q = torch.from_numpy(np.frombuffer(enc.dense_fp16, dtype=np.float16).astype(np.float64)).view(gamma, V)
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+        raise WireFormatError("draft distributions hold negative or non-finite values")
+    sums = q.sum(-1, keepdim=True)
+    if bool((sums <= 0).any()):
+        raise WireFormatError("a draft distribution row has no mass")
+    return (q / sums).to(device)

@@ -1,0 +1,1 @@
+"""The target pool: verifies whole drafts of many sessions in one forward pass."""

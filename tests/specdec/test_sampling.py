@@ -1,0 +1,143 @@
+"""The sampling core: greedy cases, seeded determinism, and statistical losslessness on
+synthetic distributions (chi-square at a fixed seed, so the verdict is reproducible)."""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec import sampling
+from specdec.sampling import SamplingParams, logits_to_probs, sample_from, verify
+
+V = 12
+
+
+def one_hot(ids, v=V):
+    return torch.nn.functional.one_hot(torch.tensor(ids), v).double()
+
+
+def test_perfect_match_accepts_all_and_adds_bonus():
+    p = one_hot([3, 5, 7, 1])[None]  # [1, γ+1, V]
+    q = one_hot([3, 5, 7])[None]
+    res = verify(torch.tensor([[3, 5, 7]]), q, p, torch.zeros(1, 3), torch.zeros(1, 4))
+    assert res.accepted.tolist() == [3] and res.next_token.tolist() == [1]
+
+
+def test_early_mismatch_recovers_target_argmax():
+    p = one_hot([3, 9, 7, 1])[None]
+    q = one_hot([3, 5, 7])[None]
+    res = verify(torch.tensor([[3, 5, 7]]), q, p, torch.rand(1, 3), torch.rand(1, 4))
+    assert res.accepted.tolist() == [1] and res.next_token.tolist() == [9]
+
+
+def test_per_session_gamma_padding():
+    p = one_hot([3, 5, 7, 1]).expand(2, 4, V)
+    q = one_hot([3, 5, 7]).expand(2, 3, V)
+    res = verify(torch.tensor([[3, 5, 7]] * 2), q, p, torch.zeros(2, 3), torch.zeros(2, 4), torch.tensor([3, 1]))
+    assert res.accepted.tolist() == [3, 1]
+    assert res.next_token.tolist() == [1, 5]  # session 2: bonus after its single draft token
+
+
+def test_greedy_probs_are_one_hot_of_argmax():
+    logits = torch.randn(4, V)
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.all(probs.sum(-1) == 1)
+
+
+def test_top_k_and_top_p_truncate():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert (logits_to_probs(logits, SamplingParams(top_k=2)) > 0).sum() == 2
+    probs = logits_to_probs(logits, SamplingParams(top_p=0.7))
+    full = torch.softmax(logits, -1)
+    assert full[0] < 0.7 < full[:2].sum()  # the smallest set reaching 0.7 is the top two
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_uniforms_are_seeded_and_stateless():
+    a = sampling.uniforms(7, 100, 5, sampling.STREAM_ACCEPT)
+    assert torch.equal(a, sampling.uniforms(7, 100, 5, sampling.STREAM_ACCEPT))
+    assert not torch.equal(a, sampling.uniforms(8, 100, 5, sampling.STREAM_ACCEPT))
+    assert not torch.equal(a, sampling.uniforms(7, 100, 5, sampling.STREAM_DRAFT))
+    many = sampling.uniforms(1, 0, 20000, sampling.STREAM_DRAFT)
+    assert 0 <= float(many.min()) and float(many.max()) < 1 and abs(float(many.mean()) - 0.5) < 0.01
+
+
+def test_sample_from_never_picks_zero_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    u = torch.linspace(0, 0.999999, 1000)
+    picks = sample_from(probs.expand(1000, 5), u)
+    assert set(picks.tolist()) == {1, 3}
+
+
+def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2):
+    """Run speculative rounds for `trials` independent sequences whose target and draft
+    laws depend only on the position: p_table/q_table [P, V]. Returns [trials, needed]."""
+    out = torch.full((trials, positions_needed), -1, dtype=torch.long)
+    length = torch.zeros(trials, dtype=torch.long)
+    P = p_table.shape[0]
+    while bool((length < positions_needed).any()):
+        idx = (length[:, None] + torch.arange(gamma + 1)).clamp(max=P - 1)  # [B, γ+1]
+        p = p_table[idx]
+        q = q_table[idx[:, :gamma]]
+        draft = sample_from(q, torch.rand(trials, gamma, generator=gen, dtype=torch.float64))
+        res = verify(draft, q, p, torch.rand(trials, gamma, generator=gen, dtype=torch.float64),
+                     torch.rand(trials, gamma + 1, generator=gen, dtype=torch.float64))
+        for j in range(gamma + 1):
+            tok = torch.where(j < res.accepted, draft[:, min(j, gamma - 1)], res.next_token)
+            valid = (j <= res.accepted) & (length + j < positions_needed)
+            pos = (length + j).clamp(max=positions_needed - 1)
+            out[valid, pos[valid]] = tok[valid]
+        length = length + res.accepted + 1
+    return out
+
+
+CASES = [
+    # (temperature, top_k, top_p, how the draft relates to the target)
+    (1.0, 0, 1.0, "independent"),
+    (0.7, 0, 1.0, "independent"),
+    (1.3, 5, 1.0, "independent"),
+    (1.0, 0, 0.8, "independent"),
+    (1.0, 0, 1.0, "draft_mass_where_target_none"),
+    (1.0, 0, 1.0, "target_mass_where_draft_none"),
+]
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+@pytest.mark.parametrize("temperature,top_k,top_p,relation", CASES)
+def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, relation):
+    gen = torch.Generator().manual_seed(1000 * gamma + CASES.index((temperature, top_k, top_p, relation)))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    positions = 3
+    p_logits = torch.randn(positions, V, generator=gen) * 1.5
+    q_logits = torch.randn(positions, V, generator=gen) * 1.5
+    p = logits_to_probs(p_logits, params).double()
+    q = logits_to_probs(q_logits, params).double()
+    if relation == "draft_mass_where_target_none":
+        p = logits_to_probs(p_logits, SamplingParams(temperature=temperature, top_k=4)).double()
+    if relation == "target_mass_where_draft_none":
+        q = logits_to_probs(q_logits, SamplingParams(temperature=temperature, top_k=3)).double()
+    trials = 40000
+    out = simulate(p, q, gamma, trials, gen, positions_needed=positions)
+    for pos in range(positions):
+        observed = torch.bincount(out[:, pos], minlength=V).double()
+        support = p[pos] > 0
+        assert observed[~support].sum() == 0, "a token the target never emits came out"
+        if int(support.sum()) == 1:
+            continue  # one possible token: the check above is the whole test
+        expected = p[pos][support] / p[pos][support].sum() * observed.sum()
+        stat = chisquare(observed[support].numpy(), expected.numpy())
+        assert stat.pvalue > 1e-3, f"position {pos}: chi-square p={stat.pvalue:.2e}"
+
+
+def test_acceptance_rate_matches_sum_of_min():
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(V, generator=gen), -1).double()
+    q = torch.softmax(torch.randn(V, generator=gen), -1).double()
+    trials = 50000
+    draft = sample_from(q.expand(trials, 1, V), torch.rand(trials, 1, generator=gen, dtype=torch.float64))
+    res = verify(draft, q.expand(trials, 1, V), p.expand(trials, 2, V),
+                 torch.rand(trials, 1, generator=gen, dtype=torch.float64), torch.rand(trials, 2, generator=gen, dtype=torch.float64))
+    alpha = float(torch.minimum(p, q).sum())
+    measured = float(res.accepted.double().mean())
+    assert abs(measured - alpha) < 4 * (alpha * (1 - alpha) / trials) ** 0.5 + 1e-9
