@@ -1,0 +1,1 @@
+"""Load testing the orchestrator: ghz configurations (ghz/) and a Python load generator."""

@@ -1,0 +1,81 @@
+"""The Draft gRPC service: a thin shell over DraftEngine."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+
+from draft_service.engine import DraftEngine, ProposeJob
+from specdec import sampling
+from specdec.config import add_common_args, add_replica_args
+from specdec.errors import InvalidRequest, SpecDecError
+from specdec.grpc_server import abort
+from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+from specdec.models import BUNDLED_DRAFT
+from specdec.replica import ReplicaHost, build_runner
+from specdec.sessions import CacheRef
+from specdec.wire import encode
+
+SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+def ref_from_pb(pb: replica_pb2.CacheRef) -> CacheRef:
+    return CacheRef(pb.session_id, pb.epoch, pb.start, list(pb.tokens), pb.resync)
+
+
+def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:
+    if not math.isfinite(pb.temperature) or pb.temperature < 0:
+        raise InvalidRequest(f"temperature must be a finite number >= 0, got {pb.temperature}")
+    if not (0 < pb.top_p <= 1):
+        raise InvalidRequest(f"top_p must lie in (0, 1], got {pb.top_p}")
+    if pb.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0, got {pb.top_k}")
+    return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed)
+
+
+class DraftServicer(replica_pb2_grpc.DraftServicer):
+    def __init__(self, host: ReplicaHost) -> None:
+        self.host = host
+
+    async def Propose(self, request, context):
+        try:
+            job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling))
+            result = await self.host.batcher.submit(job)
+            if isinstance(result, Exception):
+                raise result
+        except SpecDecError as exc:
+            await abort(context, exc)
+        enc = encode(result.q)
+        return replica_pb2.ProposeResponse(
+            draft_tokens=result.tokens, cache_length=result.cache_length, compute_ms=result.compute_ms,
+            batch_size=result.batch_size,
+            distributions=replica_pb2.DraftDistributions(
+                vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
+                sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
+                row_lengths=enc.row_lengths))
+
+    async def Release(self, request, context):
+        return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
+
+    async def Load(self, request, context):
+        return self.host.load_report()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m draft_service",
+                                 description="Draft pool replica: proposes γ tokens per session with their exact distributions.")
+    add_common_args(ap, default_port=50061)
+    add_replica_args(ap, "draft", str(BUNDLED_DRAFT))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    runner = build_runner(args)
+    engine = DraftEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
+
+    async def run() -> None:
+        host = ReplicaHost(args, engine, engine.propose, SERVICE)
+        await host.serve(lambda server: replica_pb2_grpc.add_DraftServicer_to_server(DraftServicer(host), server))
+
+    asyncio.run(run())

@@ -1,0 +1,191 @@
+"""Start and stop a local stack of real processes on loopback ports."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    path = os.environ.get("SPECDEC_REDIS_SERVER") or shutil.which("redis-server")
+    if not path:
+        raise RuntimeError("redis-server not found: install it (apt-get install -y redis-server) "
+                           "or set SPECDEC_REDIS_SERVER")
+    return path
+
+
+def wait_serving(address: str, timeout: float = 60.0, proc: subprocess.Popen | None = None,
+                 credentials=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+        channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        finally:
+            channel.close()
+        time.sleep(0.2)
+    raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f}s")
+
+
+@dataclass
+class Replica:
+    kind: str
+    port: int
+    proc: subprocess.Popen
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class LocalStack:
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-stack-")))
+    draft_model: str = str(BUNDLED_DRAFT)
+    target_model: str = str(BUNDLED_TARGET)
+    threads: int = 1
+    redis_password: str | None = None
+    quiet: bool = True
+    extra_env: dict = field(default_factory=dict)
+    redis_port: int = 0
+    redis_proc: subprocess.Popen | None = None
+    replicas: list[Replica] = field(default_factory=list)
+    orchestrators: list[Replica] = field(default_factory=list)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def orchestrator_address(self) -> str:
+        return self.orchestrators[0].address
+
+    def _env(self) -> dict:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", SPECDEC_REDIS_URL=self.redis_url,
+                   PYTHONPATH=str(REPO_ROOT), **self.extra_env)
+        if self.redis_password:
+            pw = self.workdir / "redis-password"
+            pw.write_text(self.redis_password)
+            env["SPECDEC_REDIS_PASSWORD_FILE"] = str(pw)
+        return env
+
+    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        out = log if self.quiet else None
+        return subprocess.Popen(args, cwd=REPO_ROOT, env=self._env(), stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)
+
+    def start_redis(self, port: int = 0) -> None:
+        self.redis_port = port or self.redis_port or free_port()
+        args = [redis_server_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                "--dir", str(self.workdir), "--appendonly", "yes", "--appendfsync", "everysec",
+                "--save", "", "--daemonize", "no"]
+        if self.redis_password:
+            args += ["--requirepass", self.redis_password]
+        self.redis_proc = self._spawn(args, "redis")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.redis_port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop_redis(self) -> None:
+        if self.redis_proc:
+            self.redis_proc.terminate()
+            self.redis_proc.wait(10)
+            self.redis_proc = None
+
+    def start_replica(self, kind: str, port: int = 0, wait: bool = True, extra: list[str] = ()) -> Replica:
+        port = port or free_port()
+        model = self.draft_model if kind == "draft" else self.target_model
+        args = [sys.executable, "-m", f"{kind}_service", "--port", str(port), "--host", "127.0.0.1",
+                "--model", model, "--threads", str(self.threads), "--drain-seconds", "2", *extra]
+        rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}"))
+        self.replicas.append(rep)
+        if wait:
+            wait_serving(rep.address, proc=rep.proc, timeout=120)
+        return rep
+
+    def start_orchestrator(self, port: int = 0, wait: bool = True, extra: list[str] = ()) -> Replica:
+        port = port or free_port()
+        args = [sys.executable, "-m", "orchestrator", "--port", str(port), "--host", "127.0.0.1",
+                "--tokenizer", self.target_model, "--drain-seconds", "5", *extra]
+        rep = Replica("orchestrator", port, self._spawn(args, f"orchestrator-{port}"))
+        self.orchestrators.append(rep)
+        if wait:
+            wait_serving(rep.address, proc=rep.proc, timeout=120)
+        return rep
+
+    def wait_registered(self, drafts: int, targets: int, timeout: float = 30.0) -> None:
+        import redis
+
+        client = redis.Redis(port=self.redis_port, password=self.redis_password)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            d = len(client.keys("specdec:replica:draft:*"))
+            t = len(client.keys("specdec:replica:target:*"))
+            if d >= drafts and t >= targets:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"replicas did not register in Redis ({drafts} draft, {targets} target expected)")
+
+    def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1) -> "LocalStack":
+        self.start_redis()
+        for _ in range(targets):
+            self.start_replica("target", wait=False)
+        for _ in range(drafts):
+            self.start_replica("draft", wait=False)
+        for rep in self.replicas:
+            wait_serving(rep.address, proc=rep.proc, timeout=120)
+        for _ in range(orchestrators):
+            self.start_orchestrator()
+        self.wait_registered(drafts, targets)
+        return self
+
+    def kill(self, rep: Replica, sig: int = signal.SIGKILL) -> None:
+        rep.proc.send_signal(sig)
+        rep.proc.wait(30)
+
+    def stop(self) -> None:
+        for rep in self.orchestrators + self.replicas:
+            if rep.proc.poll() is None:
+                rep.proc.terminate()
+        for rep in self.orchestrators + self.replicas:
+            try:
+                rep.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                rep.proc.kill()
+        self.stop_redis()
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,100 @@
+"""Adaptive speculation length.
+
+Per session, α is estimated online (a Beta-smoothed count of accepted draft tokens);
+per process, the cost of a draft step and of a verification are measured from the
+rounds themselves. γ maximises expected tokens per unit of time,
+
+    E(γ) / (D(γ) + V(γ)),  E(γ) = (1 − α^(γ+1)) / (1 − α),
+
+with D(γ) the draft call's time and V(γ) the verify call's. When the target batches many
+sessions, each extra token a session sends delays the whole batch, so the per-token
+verify cost is scaled by the observed batch size: γ shrinks as the target saturates and
+reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
+A session at γ = 0 probes with a short draft now and then so its α stays current.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_GAMMA = 8
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+@dataclass
+class Ema:
+    value: float | None = None
+    weight: float = 0.1
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass
+class CostModel:
+    """Shared by all sessions of one orchestrator process."""
+    draft_call: Ema = field(default_factory=Ema)  # ms of a draft call, fixed part
+    draft_step: Ema = field(default_factory=Ema)  # ms per drafted token
+    verify_base: Ema = field(default_factory=Ema)  # ms of a verify call with no draft
+    verify_token: Ema = field(default_factory=Ema)  # extra ms per draft token verified
+    batch: Ema = field(default_factory=Ema)  # sessions per verify batch
+
+    def observe_draft(self, gamma: int, ms: float) -> None:
+        if gamma <= 0:
+            return
+        base = self.draft_call.get(0.3 * ms)
+        self.draft_step.update(max(0.0, (ms - base) / gamma))
+        self.draft_call.update(max(0.0, ms - gamma * self.draft_step.get(ms / gamma)))
+
+    def observe_verify(self, gamma: int, ms: float, batch_size: int) -> None:
+        self.batch.update(float(batch_size))
+        if gamma == 0:
+            self.verify_base.update(ms)
+        else:
+            base = self.verify_base.get(ms * 0.8)
+            self.verify_token.update(max(0.0, (ms - base) / gamma))
+
+    def round_ms(self, gamma: int) -> float:
+        verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5) * max(1.0, self.batch.get(1.0))
+        if gamma == 0:
+            return verify
+        return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0) + verify
+
+
+@dataclass
+class SessionPolicy:
+    fixed: int | None = None  # num_speculative_tokens from the request
+    accepted: float = 3.0  # Beta(3, 1) prior: optimistic until measured
+    trials: float = 4.0
+    rounds_at_zero: int = 0
+    max_gamma: int = MAX_GAMMA
+
+    @property
+    def alpha(self) -> float:
+        return min(0.99, self.accepted / self.trials)
+
+    def observe(self, gamma: int, accepted: int, decay: float = 0.9) -> None:
+        if gamma <= 0:
+            return
+        # accepted tokens were Bernoulli successes; the first rejection (if any) one failure
+        self.accepted = decay * self.accepted + accepted
+        self.trials = decay * self.trials + min(accepted + 1, gamma)
+
+    def choose(self, costs: CostModel) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(self.alpha, g) / costs.round_ms(g))
+        if best == 0:
+            self.rounds_at_zero += 1
+            if self.rounds_at_zero % 16 == 0:
+                return 2  # probe: keep α current so speculation can come back
+        else:
+            self.rounds_at_zero = 0
+        return best

@@ -1,0 +1,304 @@
+"""The speculate → verify → correct loop across the two pools.
+
+Per round: one draft call, one target call, one pipelined Redis commit. Replica failures
+are absorbed here: a dead replica is replaced by a live one of its pool and the cache is
+rebuilt from the committed tokens; with no draft replica left the loop goes on
+target-only and picks speculation up again when a draft returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+
+from orchestrator.gamma_policy import CostModel, SessionPolicy
+from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
+from orchestrator.text import TextStream
+from specdec import metrics, rounds
+from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
+from specdec.internal.v1 import replica_pb2
+from specdec.sampling import SamplingParams
+from specdec.session_store import SessionHandle, SessionStore
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 4
+
+
+class DeadlineExceeded(SpecDecError):
+    pass
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    session_id: str = ""
+    gamma: int | None = None  # None: adaptive
+    keep_session: bool = False
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    redis_ms: float = 0.0
+    network_ms: float = 0.0
+    failovers: int = 0
+    gamma_sum: int = 0
+    wire_bytes: int = 0
+
+
+@dataclass
+class Outcome:
+    session_id: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+    prompt_tokens: int
+    seed: int
+    draft_replica: str
+    target_replica: str
+    total_ms: float
+
+
+Emit = Callable[[str, list[int]], Awaitable[None]]
+
+
+class Generator:
+    def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
+                 costs: CostModel | None = None, call_timeout: float = 30.0) -> None:
+        self.pools = pools
+        self.store = store
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.max_len = max_len
+        self.costs = costs or CostModel()
+        self.call_timeout = call_timeout
+
+    # ----------------------------------------------------------------- session set-up
+    async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
+        if req.session_id:
+            handle = await self.store.load(req.session_id)
+            if not await self.store.try_lock(req.session_id, owner):
+                raise Overloaded(f"session {req.session_id} is already generating; wait for that call to finish")
+            handle.committed.extend(req.prompt_ids)
+        else:
+            target = await self.pools.require("target")
+            draft = await self.pools.pick("draft") or ""
+            handle = SessionHandle(self.store.new_id(), draft, target, 1, list(req.prompt_ids))
+            await self.store.try_lock(handle.session_id, owner)
+        if not handle.committed:
+            raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
+        if len(handle.committed) >= self.max_len:
+            raise InvalidRequest(f"the prompt ({len(handle.committed)} tokens with the session's history) "
+                                 f"leaves no room in the model context of {self.max_len} tokens")
+        handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
+                         "top_p": req.params.top_p, "seed": req.params.seed}
+        await self.store.save(handle)
+        return handle
+
+    # ----------------------------------------------------------------- one call each
+    def _timeout(self, deadline: float | None) -> float:
+        if deadline is None:
+            return self.call_timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the client's deadline passed during generation")
+        return min(left, self.call_timeout)
+
+    async def _propose(self, handle, gamma, params_pb, deadline, stats):
+        """→ (tokens, distributions pb) or None when no draft replica can serve."""
+        for _ in range(MAX_ATTEMPTS):
+            if not handle.draft_replica:
+                handle.draft_replica = await self.pools.pick("draft") or ""
+                handle.cursor.draft_len = 0
+                if not handle.draft_replica:
+                    return None
+            ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
+            request = replica_pb2.ProposeRequest(
+                cache=replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
+                                           tokens=ref.tokens, resync=ref.resync),
+                num_tokens=gamma, sampling=params_pb)
+            t0 = time.perf_counter()
+            try:
+                resp = await self.pools.draft(handle.draft_replica).Propose(request, timeout=self._timeout(deadline))
+            except grpc.aio.AioRpcError as exc:
+                self._on_error(exc, handle, "draft", deadline, stats)
+                continue
+            ms = (time.perf_counter() - t0) * 1000
+            stats.draft_ms += ms
+            stats.network_ms += max(0.0, ms - resp.compute_ms)
+            stats.wire_bytes += resp.ByteSize()
+            self.costs.observe_draft(gamma, ms)
+            metrics.STAGE_SECONDS.labels("draft").observe(ms / 1000)
+            return resp
+        return None
+
+    async def _verify(self, handle, draft_tokens, dists, params_pb, deadline, stats):
+        for _ in range(MAX_ATTEMPTS):
+            if not handle.target_replica:
+                handle.target_replica = await self.pools.require("target")
+                handle.cursor.target_len, handle.cursor.target_resync = 0, True
+            ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
+            request = replica_pb2.VerifyRequest(
+                cache=replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
+                                           tokens=ref.tokens, resync=ref.resync),
+                draft_tokens=draft_tokens, distributions=dists, sampling=params_pb)
+            t0 = time.perf_counter()
+            try:
+                resp = await self.pools.target(handle.target_replica).Verify(request, timeout=self._timeout(deadline))
+            except grpc.aio.AioRpcError as exc:
+                self._on_error(exc, handle, "target", deadline, stats)
+                continue
+            ms = (time.perf_counter() - t0) * 1000
+            stats.verify_ms += ms
+            stats.network_ms += max(0.0, ms - resp.compute_ms)
+            stats.wire_bytes += request.ByteSize() + resp.ByteSize()
+            self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size)
+            metrics.STAGE_SECONDS.labels("verify").observe(ms / 1000)
+            return resp
+        raise Unavailable(f"the target pool could not verify session {handle.session_id} "
+                          f"after {MAX_ATTEMPTS} attempts")
+
+    def _on_error(self, exc: grpc.aio.AioRpcError, handle: SessionHandle, kind: str, deadline,
+                  stats: Stats) -> None:
+        """Decide what a failed internal call means for the session."""
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceeded("the client's deadline passed during generation")
+        address = handle.draft_replica if kind == "draft" else handle.target_replica
+        if code in CACHE_LOST:  # evicted or out of step: rebuild this replica's cache
+            log.info("%s %s lost session %s (%s); rebuilding", kind, address, handle.session_id, exc.details())
+            if kind == "draft":
+                handle.cursor.draft_len = 0
+            else:
+                handle.cursor.target_len, handle.cursor.target_resync = 0, True
+            return
+        if code in REPLICA_DOWN:
+            log.warning("%s replica %s failed (%s: %s); re-homing session %s", kind, address, code.name,
+                        exc.details(), handle.session_id)
+            self.pools.mark_down(address)
+            metrics.FAILOVERS.labels(kind).inc()
+            stats.failovers += 1
+            if kind == "draft":
+                handle.draft_replica = ""
+            else:
+                handle.target_replica = ""
+            return
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise Overloaded(f"{kind} replica {address} is full: {exc.details()}")
+        raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")
+
+    # ----------------------------------------------------------------- the loop
+    async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
+        t_start = time.perf_counter()
+        owner = f"{id(self)}:{random.getrandbits(32)}"
+        handle = await self._open(req, owner)
+        stats, policy = Stats(), SessionPolicy(fixed=req.gamma)
+        text = TextStream(self.tokenizer, req.stop)
+        p = req.params
+        params_pb = replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+        prompt_len, generated, reason = len(handle.committed), [], "length"
+        last_draft_probe = time.monotonic()
+        metrics.ACTIVE_SESSIONS.inc()
+        try:
+            while len(generated) < req.max_new_tokens:
+                m = len(handle.committed)
+                if m >= self.max_len:
+                    reason = "context"
+                    break
+                if not handle.draft_replica and time.monotonic() - last_draft_probe > 1.0:
+                    last_draft_probe = time.monotonic()  # a draft may have come back
+                    handle.draft_replica = await self.pools.pick("draft") or ""
+                    handle.cursor.draft_len = 0
+                want = policy.choose(self.costs) if handle.draft_replica else 0
+                gamma = rounds.plan_gamma(want, req.max_new_tokens - len(generated), m, self.max_len)
+                draft_tokens, dists = [], None
+                if gamma > 0:
+                    prop = await self._propose(handle, gamma, params_pb, deadline, stats)
+                    if prop is None:
+                        gamma = 0
+                    else:
+                        draft_tokens, dists = list(prop.draft_tokens), prop.distributions
+                verdict = await self._verify(handle, draft_tokens, dists, params_pb, deadline, stats)
+                new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
+                out_text, kept = text.push(new)
+                if self.eos_id is not None and self.eos_id in new[:kept]:
+                    kept = new.index(self.eos_id) + 1
+                    reason = "eos"
+                if text.stopped:
+                    reason = "stop"
+                new = new[:kept]
+                handle.committed.extend(new)
+                handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
+                generated.extend(new)
+                self._count_round(stats, policy, gamma, verdict.accepted)
+                t0 = time.perf_counter()
+                await self.store.commit_round(handle, new)
+                stats.redis_ms += (time.perf_counter() - t0) * 1000
+                await emit(out_text, new)
+                if reason in ("eos", "stop"):
+                    break
+            tail = text.flush()
+            if tail:
+                await emit(tail, [])
+        finally:
+            metrics.ACTIVE_SESSIONS.dec()
+            await self._close(handle, req, owner)
+        metrics.TOKENS.inc(len(generated))
+        return Outcome(handle.session_id, generated, reason, stats, prompt_len, p.seed, handle.draft_replica,
+                       handle.target_replica, (time.perf_counter() - t_start) * 1000)
+
+    def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int) -> None:
+        stats.rounds += 1
+        stats.target_passes += 1
+        stats.drafted += gamma
+        stats.accepted += accepted
+        stats.gamma_sum += gamma
+        policy.observe(gamma, accepted)
+        metrics.ROUNDS.inc()
+        metrics.GAMMA.observe(gamma)
+        if gamma:
+            metrics.DRAFTED.inc(gamma)
+            metrics.ACCEPTED.inc(accepted)
+            metrics.ACCEPTED_LENGTH.observe(accepted)
+            for i in range(gamma):
+                metrics.DRAFTED_AT_POSITION.labels(str(i)).inc()
+                if i < accepted:
+                    metrics.ACCEPT_AT_POSITION.labels(str(i)).inc()
+
+    async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str) -> None:
+        """Ephemeral sessions are released on both replicas and their handle deleted;
+        kept sessions are unlocked for the next call."""
+        keep = req.keep_session or bool(req.session_id)
+        if keep:
+            await self.store.unlock(handle.session_id, owner)
+            return
+        await self.release(handle)
+
+    async def release(self, handle: SessionHandle) -> None:
+        async def release_on(kind: str, address: str) -> None:
+            if not address:
+                return
+            stub = self.pools.draft(address) if kind == "draft" else self.pools.target(address)
+            try:
+                await stub.Release(replica_pb2.ReleaseRequest(session_id=handle.session_id), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                pass  # the replica is gone or will evict the idle cache itself
+
+        await asyncio.gather(release_on("draft", handle.draft_replica), release_on("target", handle.target_replica))
+        try:
+            await self.store.delete(handle.session_id)
+        except Unavailable:
+            pass  # the handle expires by TTL

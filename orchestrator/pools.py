@@ -1,0 +1,93 @@
+"""Clients of the draft and target pools: routing, reused channels, failure marking.
+
+A new session goes to the least-loaded live replica of each pool (load from the
+registry, plus the sessions this process placed since the last heartbeat) and sticks
+there. A replica whose calls fail is avoided at once, before its registry entry expires.
+"""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from specdec.errors import Unavailable
+from specdec.grpc_server import channel_credentials, channel_options
+from specdec.internal.v1 import replica_pb2_grpc
+from specdec.registry import Registry, ReplicaInfo
+
+REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+CACHE_LOST = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+
+
+class PoolClients:
+    def __init__(self, registry: Registry, draft_pool: str = "draft", target_pool: str = "target",
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 avoid_seconds: float = 10.0, registry_cache_seconds: float = 0.5) -> None:
+        self.registry = registry
+        self.pools = {"draft": draft_pool, "target": target_pool}
+        self.creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+        self.avoid_seconds = avoid_seconds
+        self.cache_seconds = registry_cache_seconds
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._down: dict[str, float] = {}
+        self._placed: dict[str, int] = {}
+        self._live_cache: dict[str, tuple[float, list[ReplicaInfo]]] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = (grpc.aio.secure_channel(address, self.creds, options=channel_options()) if self.creds
+                  else grpc.aio.insecure_channel(address, options=channel_options()))
+            self._channels[address] = ch
+        return ch
+
+    def draft(self, address: str) -> replica_pb2_grpc.DraftStub:
+        return replica_pb2_grpc.DraftStub(self.channel(address))
+
+    def target(self, address: str) -> replica_pb2_grpc.TargetStub:
+        return replica_pb2_grpc.TargetStub(self.channel(address))
+
+    def mark_down(self, address: str) -> None:
+        self._down[address] = time.monotonic() + self.avoid_seconds
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            # closed lazily: calls still in flight on it finish or fail on their own
+            import asyncio
+            asyncio.get_running_loop().create_task(ch.close(grace=1.0))
+
+    def is_down(self, address: str) -> bool:
+        until = self._down.get(address)
+        return until is not None and until > time.monotonic()
+
+    async def live(self, kind: str) -> list[ReplicaInfo]:
+        now = time.monotonic()
+        cached = self._live_cache.get(kind)
+        if cached and now - cached[0] < self.cache_seconds:
+            replicas = cached[1]
+        else:
+            replicas = await self.registry.live(self.pools[kind])
+            self._live_cache[kind] = (now, replicas)
+            self._placed = {}
+        return [r for r in replicas if not self.is_down(r.address)]
+
+    async def pick(self, kind: str, exclude: set[str] = frozenset()) -> str | None:
+        """Least-loaded live replica of the pool, or None if the pool is empty."""
+        candidates = [r for r in await self.live(kind) if r.address not in exclude]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda r: (r.sessions + self._placed.get(r.address, 0)) / max(1, r.capacity))
+        self._placed[best.address] = self._placed.get(best.address, 0) + 1
+        return best.address
+
+    async def require(self, kind: str, exclude: set[str] = frozenset()) -> str:
+        address = await self.pick(kind, exclude)
+        if address is None:
+            raise Unavailable(f"no live {kind} replica is registered in pool {self.pools[kind]!r}; "
+                              f"start one (python -m {kind}_service) or wait for the pool to recover")
+        return address
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

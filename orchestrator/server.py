@@ -1,0 +1,261 @@
+"""The public Orchestrator gRPC service: a thin shell over Generator."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from orchestrator.gamma_policy import CostModel
+from orchestrator.generation import DeadlineExceeded, Generator, Outcome
+from orchestrator.pools import PoolClients
+from orchestrator.validation import validate
+from specdec import metrics
+from specdec.config import add_common_args, env, read_secret, redis_client, setup_logging
+from specdec.errors import InvalidRequest, Overloaded, SpecDecError
+from specdec.grpc_server import ServerShell, abort, server_credentials, status_of
+from specdec.models import BUNDLED_TARGET, load_tokenizer
+from specdec.registry import Registry
+from specdec.session_store import SessionStore
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS,
+          "context": pb.FINISH_REASON_CONTEXT}
+
+
+def stats_pb(out: Outcome) -> pb.GenerationStats:
+    s = out.stats
+    return pb.GenerationStats(
+        rounds=s.rounds, drafted_tokens=s.drafted, accepted_tokens=s.accepted, target_forward_passes=s.target_passes,
+        acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
+        tokens_per_target_pass=len(out.tokens) / s.target_passes if s.target_passes else 0.0,
+        prompt_tokens=out.prompt_tokens, generated_tokens=len(out.tokens), seed=out.seed,
+        draft_replica=out.draft_replica, target_replica=out.target_replica,
+        mean_gamma=s.gamma_sum / s.rounds if s.rounds else 0.0, replica_failovers=s.failovers,
+        times=pb.StageTimes(draft_ms=s.draft_ms, verify_ms=s.verify_ms, redis_ms=s.redis_ms,
+                            network_ms=s.network_ms, total_ms=out.total_ms))
+
+
+class _BadMessage:
+    """Stands in for a request that did not parse (e.g. invalid UTF-8 in a string)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(parse):
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, UnicodeDecodeError) as exc:
+            return _BadMessage(str(exc) or type(exc).__name__)
+    return deserialize
+
+
+class OrchestratorServicer(pb_grpc.OrchestratorServicer):
+    def __init__(self, generator: Generator, vocab_size: int, max_new_tokens: int, max_concurrent: int) -> None:
+        self.gen = generator
+        self.vocab_size = vocab_size
+        self.max_new_tokens = max_new_tokens
+        self.max_concurrent = max_concurrent
+        self.active = 0
+
+    def _request(self, request):
+        if isinstance(request, _BadMessage):
+            raise InvalidRequest(f"the request is not a valid GenerateRequest (check that strings are UTF-8): "
+                                 f"{request.error}")
+        return validate(request, self.gen.tokenizer, self.vocab_size, self.gen.max_len, self.max_new_tokens)
+
+    def _admit(self) -> None:
+        if self.active >= self.max_concurrent:
+            raise Overloaded(f"the server is at its limit of {self.max_concurrent} concurrent generations; "
+                             "retry with backoff")
+
+    @staticmethod
+    def _deadline(context) -> float | None:
+        left = context.time_remaining()
+        return None if left is None else time.monotonic() + left
+
+    async def Generate(self, request, context):
+        text, tokens = [], []
+
+        async def emit(chunk: str, new: list[int]) -> None:
+            text.append(chunk)
+
+        try:
+            req = self._request(request)
+            self._admit()
+            self.active += 1
+            try:
+                out = await self.gen.run(req, emit, self._deadline(context))
+            finally:
+                self.active -= 1
+        except SpecDecError as exc:
+            metrics.REQUESTS.labels("Generate", status_of(exc).name).inc()
+            await abort(context, exc)
+        metrics.REQUESTS.labels("Generate", "OK").inc()
+        return pb.GenerateResponse(text="".join(text), token_ids=out.tokens, session_id=out.session_id,
+                                   finish_reason=FINISH[out.finish_reason], stats=stats_pb(out))
+
+    async def GenerateStream(self, request, context):
+        queue: asyncio.Queue = asyncio.Queue()
+        session_holder = {}
+
+        async def emit(chunk: str, new: list[int]) -> None:
+            await queue.put(pb.GenerateStreamResponse(text=chunk, token_ids=new))
+
+        try:
+            req = self._request(request)
+            self._admit()
+        except SpecDecError as exc:
+            metrics.REQUESTS.labels("GenerateStream", status_of(exc).name).inc()
+            await abort(context, exc)
+        self.active += 1
+        task = asyncio.create_task(self.gen.run(req, emit, self._deadline(context)))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                yield item
+            out = task.result()
+        except SpecDecError as exc:
+            metrics.REQUESTS.labels("GenerateStream", status_of(exc).name).inc()
+            await abort(context, exc)
+        finally:
+            self.active -= 1
+            if not task.done():  # the client went away: stop the loop, release the caches
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, SpecDecError):
+                    pass
+        metrics.REQUESTS.labels("GenerateStream", "OK").inc()
+        yield pb.GenerateStreamResponse(session_id=out.session_id, finish_reason=FINISH[out.finish_reason],
+                                        stats=stats_pb(out))
+
+    async def EndSession(self, request, context):
+        try:
+            if not request.session_id:
+                raise InvalidRequest("session_id is required")
+            handle = await self.gen.store.load(request.session_id)
+            await self.gen.release(handle)
+        except SpecDecError as exc:
+            await abort(context, exc)
+        return pb.EndSessionResponse(released=True)
+
+
+def add_servicer(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_OrchestratorServicer_to_server, but a request that does not
+    parse reaches the servicer (which answers INVALID_ARGUMENT) instead of failing as INTERNAL."""
+    parse = _lenient(pb.GenerateRequest.FromString)
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=parse,
+            response_serializer=pb.GenerateStreamResponse.SerializeToString),
+        "EndSession": grpc.unary_unary_rpc_method_handler(
+            servicer.EndSession, request_deserializer=pb.EndSessionRequest.FromString,
+            response_serializer=pb.EndSessionResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer-token authentication on the public API; health and reflection stay open
+    for probes and tools."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        if not details.method.startswith(f"/{SERVICE}/"):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.expected):
+            return await continuation(details)
+        handler = await continuation(details)
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
+                                "(send metadata 'authorization: Bearer <token>')")
+
+        async def deny_stream(request, context):
+            await deny_unary(request, context)
+            yield  # pragma: no cover
+
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, request_deserializer=handler.request_deserializer)
+        return grpc.unary_unary_rpc_method_handler(deny_unary, request_deserializer=handler.request_deserializer if handler else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator",
+                                 description="Public gRPC API of the speculative-decoding server.")
+    add_common_args(ap, default_port=50051)
+    ap.add_argument("--tokenizer", default=env("TOKENIZER", str(BUNDLED_TARGET)),
+                    help="tokenizer (and model config) directory or Hub id of the target model [SPECDEC_TOKENIZER]")
+    ap.add_argument("--max-context", type=int, default=int(env("MAX_CONTEXT", 0)),
+                    help="model context in tokens, 0 = read max_position_embeddings from --tokenizer [SPECDEC_MAX_CONTEXT]")
+    ap.add_argument("--max-new-tokens", type=int, default=int(env("MAX_NEW_TOKENS", 1024)),
+                    help="largest max_new_tokens a request may ask [SPECDEC_MAX_NEW_TOKENS]")
+    ap.add_argument("--max-concurrent", type=int, default=int(env("MAX_CONCURRENT", 256)),
+                    help="concurrent generations before RESOURCE_EXHAUSTED [SPECDEC_MAX_CONCURRENT]")
+    ap.add_argument("--session-ttl", type=int, default=int(env("SESSION_TTL", 600)),
+                    help="seconds a session handle lives in Redis after its last use [SPECDEC_SESSION_TTL]")
+    ap.add_argument("--draft-pool", default=env("DRAFT_POOL", "draft"), help="[SPECDEC_DRAFT_POOL]")
+    ap.add_argument("--target-pool", default=env("TARGET_POOL", "target"), help="[SPECDEC_TARGET_POOL]")
+    ap.add_argument("--api-token-file", default=env("API_TOKEN_FILE"),
+                    help="file with the bearer token clients must send; unset = no auth [SPECDEC_API_TOKEN_FILE]")
+    ap.add_argument("--client-cert-file", default=env("CLIENT_CERT_FILE"),
+                    help="client certificate for mutual TLS to the pools [SPECDEC_CLIENT_CERT_FILE]")
+    ap.add_argument("--client-key-file", default=env("CLIENT_KEY_FILE"), help="[SPECDEC_CLIENT_KEY_FILE]")
+    ap.add_argument("--pool-ca-file", default=env("POOL_CA_FILE"),
+                    help="CA that signed the pools' certificates; set = TLS to the pools [SPECDEC_POOL_CA_FILE]")
+    return ap
+
+
+def max_context(args) -> int:
+    if args.max_context:
+        return args.max_context
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(args.tokenizer).max_position_embeddings)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    setup_logging(args.log_level)
+    tokenizer = load_tokenizer(args.tokenizer)
+    redis = redis_client(args.redis_url, args.redis_password_file)
+    pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
+                        args.client_cert_file, args.client_key_file)
+    generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), CostModel())
+    token = read_secret(args.api_token_file)
+    shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
+    add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
+    creds = server_credentials(args.tls_cert_file, args.tls_key_file, None)
+    port = shell.listen(args.host, args.port, creds)
+    metrics.serve_metrics(args.metrics_port)
+    await shell.server.start()
+    await shell.set_serving(True)
+    shell.install_signal_handlers()
+    log.info("orchestrator serving on %s:%d (tls=%s, auth=%s)", args.host, port, bool(creds), bool(token))
+    await shell.stopping.wait()
+    log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
+    await shell.drain_and_stop(args.drain_seconds)
+    await pools.close()
+    await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve(build_parser().parse_args(argv)))

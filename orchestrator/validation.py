@@ -1,0 +1,61 @@
+"""Turns a public GenerateRequest into a checked GenerationRequest, or says clearly why not."""
+from __future__ import annotations
+
+import math
+import random
+import re
+
+from orchestrator.gamma_policy import MAX_GAMMA
+from orchestrator.generation import GenerationRequest
+from specdec.errors import InvalidRequest
+from specdec.sampling import SamplingParams
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+MAX_PROMPT_CHARS = 200_000
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit: int) -> GenerationRequest:
+    if pb.prompt and pb.prompt_token_ids:
+        raise InvalidRequest("give either prompt or prompt_token_ids, not both")
+    if pb.session_id and not SESSION_ID.match(pb.session_id):
+        raise InvalidRequest("session_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
+    if not pb.prompt and not pb.prompt_token_ids and not pb.session_id:
+        raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
+    if len(pb.prompt) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"the prompt has {len(pb.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    if pb.prompt_token_ids:
+        ids = list(pb.prompt_token_ids)
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt_token_ids must lie in 0..{vocab_size - 1}; got {bad[0]}")
+    else:
+        ids = tokenizer(pb.prompt)["input_ids"] if pb.prompt else []
+    if len(ids) >= max_len:
+        raise InvalidRequest(f"the prompt has {len(ids)} tokens; the model context is {max_len} tokens "
+                             "and at least one must be left to generate")
+    if not 1 <= pb.max_new_tokens <= max_new_tokens_limit:
+        raise InvalidRequest(f"max_new_tokens must lie in 1..{max_new_tokens_limit}, got {pb.max_new_tokens}")
+    temperature = pb.temperature if pb.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    top_p = pb.top_p if pb.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise InvalidRequest(f"top_p must lie in (0, 1], got {top_p}")
+    if pb.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = no truncation), got {pb.top_k}")
+    if len(pb.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in pb.stop):
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    gamma = None
+    if pb.HasField("num_speculative_tokens"):
+        gamma = pb.num_speculative_tokens
+        if not 0 <= gamma <= MAX_GAMMA:
+            raise InvalidRequest(f"num_speculative_tokens must lie in 0..{MAX_GAMMA} (or be unset for "
+                                 f"the adaptive policy), got {gamma}")
+    seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
+    params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
+                            seed=seed)
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
+                             stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
+                             keep_session=pb.keep_session)

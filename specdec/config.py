@@ -1,0 +1,66 @@
+"""Command-line flags shared by the three servers; every flag also reads SPECDEC_<NAME>."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+
+def env(name: str, default=None):
+    return os.environ.get("SPECDEC_" + name, default)
+
+
+def read_secret(path: str | None) -> str | None:
+    """Secrets come from files (Kubernetes Secrets) and are never logged."""
+    if not path:
+        return None
+    return Path(path).read_text().strip()
+
+
+def add_common_args(ap: argparse.ArgumentParser, default_port: int) -> None:
+    ap.add_argument("--host", default=env("HOST", "0.0.0.0"), help="listen address [SPECDEC_HOST]")
+    ap.add_argument("--port", type=int, default=int(env("PORT", default_port)), help=f"gRPC port (default {default_port}) [SPECDEC_PORT]")
+    ap.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="Redis URL [SPECDEC_REDIS_URL]")
+    ap.add_argument("--redis-password-file", default=env("REDIS_PASSWORD_FILE"),
+                    help="file holding the Redis password [SPECDEC_REDIS_PASSWORD_FILE]")
+    ap.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", 0)),
+                    help="Prometheus /metrics port, 0 = off [SPECDEC_METRICS_PORT]")
+    ap.add_argument("--drain-seconds", type=float, default=float(env("DRAIN_SECONDS", 20)),
+                    help="on SIGTERM, time given to calls in flight [SPECDEC_DRAIN_SECONDS]")
+    ap.add_argument("--tls-cert-file", default=env("TLS_CERT_FILE"), help="server certificate (PEM) [SPECDEC_TLS_CERT_FILE]")
+    ap.add_argument("--tls-key-file", default=env("TLS_KEY_FILE"), help="server key (PEM) [SPECDEC_TLS_KEY_FILE]")
+    ap.add_argument("--tls-ca-file", default=env("TLS_CA_FILE"),
+                    help="CA (PEM): servers require client certificates signed by it (mutual TLS); "
+                         "clients verify servers with it [SPECDEC_TLS_CA_FILE]")
+    ap.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="[SPECDEC_LOG_LEVEL]")
+
+
+def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str) -> None:
+    ap.add_argument("--model", default=env("MODEL", default_model),
+                    help=f"model directory or Hugging Face id (default: the bundled {pool}) [SPECDEC_MODEL]")
+    ap.add_argument("--pool", default=env("POOL", pool), help=f"pool name (default {pool}) [SPECDEC_POOL]")
+    ap.add_argument("--advertise-address", default=env("ADVERTISE_ADDRESS"),
+                    help="host:port registered in Redis (default 127.0.0.1:<port>) [SPECDEC_ADVERTISE_ADDRESS]")
+    ap.add_argument("--device", default=env("DEVICE", "auto"), help="auto|cpu|cuda[:N] [SPECDEC_DEVICE]")
+    ap.add_argument("--dtype", default=env("DTYPE", "auto"),
+                    help="auto (fp32 on CPU, bf16 on GPU)|float32|bfloat16|float16 [SPECDEC_DTYPE]")
+    ap.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 256)),
+                    help="sessions held before LRU eviction of idle ones [SPECDEC_MAX_SESSIONS]")
+    ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),
+                    help="KV-cache bytes held before LRU eviction, 0 = no limit [SPECDEC_MAX_CACHE_MB]")
+    ap.add_argument("--max-batch", type=int, default=int(env("MAX_BATCH", 64)), help="sessions per engine batch [SPECDEC_MAX_BATCH]")
+    ap.add_argument("--threads", type=int, default=int(env("THREADS", 0)), help="torch CPU threads, 0 = torch default [SPECDEC_THREADS]")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def redis_client(url: str, password_file: str | None):
+    import redis.asyncio as aioredis
+
+    password = read_secret(password_file) or env("REDIS_PASSWORD")
+    return aioredis.from_url(url, password=password, socket_connect_timeout=1.0, socket_timeout=2.0,
+                             health_check_interval=10)

@@ -1,0 +1,103 @@
+"""What every gRPC server here has: health, reflection, TLS, error mapping, graceful stop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import CacheMismatch, InvalidRequest, Overloaded, SessionNotFound, SpecDecError, Unavailable
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+STATUS = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    CacheMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(exc: SpecDecError) -> grpc.StatusCode:
+    for cls, code in STATUS.items():
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: SpecDecError):
+    await context.abort(status_of(exc), str(exc))
+
+
+def server_credentials(cert_file: str | None, key_file: str | None, ca_file: str | None):
+    if not cert_file:
+        return None
+    pair = (Path(key_file).read_bytes(), Path(cert_file).read_bytes())
+    ca = Path(ca_file).read_bytes() if ca_file else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None):
+    if not ca_file:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca_file).read_bytes(),
+        private_key=Path(key_file).read_bytes() if key_file else None,
+        certificate_chain=Path(cert_file).read_bytes() if cert_file else None)
+
+
+def channel_options() -> list:
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 30000), ("grpc.use_local_subchannel_pool", 1)]
+
+
+class ServerShell:
+    """A grpc.aio server with health and reflection, stopped gracefully on SIGTERM/SIGINT."""
+
+    def __init__(self, service_names: list[str], interceptors=(), max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.server = grpc.aio.server(interceptors=list(interceptors), options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0)])
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                       reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.stopping = asyncio.Event()
+
+    def listen(self, host: str, port: int, credentials=None) -> int:
+        address = f"{host}:{port}"
+        bound = (self.server.add_secure_port(address, credentials) if credentials
+                 else self.server.add_insecure_port(address))
+        if not bound:
+            raise RuntimeError(f"cannot listen on {address}")
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in [""] + self.service_names:
+            await _maybe_await(self.health.set(name, status))
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    async def drain_and_stop(self, grace: float) -> None:
+        """Refuse new calls, let the ones in flight finish within `grace`."""
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def _maybe_await(value):
+    if asyncio.iscoroutine(value):
+        await value

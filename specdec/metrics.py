@@ -1,0 +1,38 @@
+"""Prometheus metrics of every process (exported on --metrics-port at /metrics)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+# replicas
+REPLICA_SESSIONS = Gauge("specdec_replica_sessions", "Sessions whose KV cache this replica holds", ["pool"])
+REPLICA_CACHE_BYTES = Gauge("specdec_replica_cache_bytes", "Bytes of KV cache held", ["pool"])
+REPLICA_QUEUE = Gauge("specdec_replica_queue_length", "Calls waiting for the engine", ["pool"])
+BATCH_SIZE = Histogram("specdec_batch_size", "Sessions per engine batch", ["pool"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64))
+ENGINE_SECONDS = Histogram("specdec_engine_seconds", "Engine time per batch", ["pool"], buckets=LATENCY_BUCKETS)
+EVICTIONS = Counter("specdec_replica_evictions_total", "Idle sessions evicted (LRU)", ["pool"])
+
+# orchestrator
+REQUESTS = Counter("specdec_requests_total", "Generation requests by outcome", ["method", "code"])
+TOKENS = Counter("specdec_generated_tokens_total", "Tokens generated")
+ROUNDS = Counter("specdec_rounds_total", "Speculation rounds")
+DRAFTED = Counter("specdec_drafted_tokens_total", "Draft tokens proposed")
+ACCEPTED = Counter("specdec_accepted_tokens_total", "Draft tokens accepted")
+ACCEPTED_LENGTH = Histogram("specdec_accepted_length", "Draft tokens accepted per round",
+                            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+ACCEPT_AT_POSITION = Counter("specdec_accepted_at_position_total",
+                             "Rounds whose draft token at this position was accepted", ["position"])
+DRAFTED_AT_POSITION = Counter("specdec_drafted_at_position_total",
+                              "Rounds that drafted a token at this position", ["position"])
+GAMMA = Histogram("specdec_gamma", "Speculation length chosen per round", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+STAGE_SECONDS = Histogram("specdec_stage_seconds", "Time per round stage", ["stage"], buckets=LATENCY_BUCKETS)
+ACTIVE_SESSIONS = Gauge("specdec_active_generations", "Generations in flight")
+FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
+
+
+def serve_metrics(port: int) -> None:
+    """Start the /metrics HTTP endpoint (port 0 = off)."""
+    if port:
+        start_http_server(port)

@@ -1,0 +1,119 @@
+"""The pool registry in Redis: replicas register, heartbeat with a TTL, deregister.
+
+Each replica owns one key `specdec:replica:<pool>:<address>` holding its load report
+(JSON) and expiring unless refreshed; a set per pool lists the members. A replica that
+dies leaves by TTL; readers drop members whose key is gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from specdec.errors import Unavailable
+
+log = logging.getLogger(__name__)
+PREFIX = "specdec:replica:"
+POOLS = "specdec:pool:"
+
+
+@dataclass
+class ReplicaInfo:
+    address: str
+    pool: str
+    capacity: int
+    sessions: int = 0
+    queue_length: int = 0
+    cache_bytes: int = 0
+    model: str = ""
+    vocab_size: int = 0
+    updated: float = 0.0
+
+    @property
+    def load(self) -> float:
+        return (self.sessions + self.queue_length) / max(1, self.capacity)
+
+
+class Registry:
+    def __init__(self, client: aioredis.Redis, ttl_seconds: float = 6.0) -> None:
+        self.redis = client
+        self.ttl = ttl_seconds
+
+    async def register(self, info: ReplicaInfo) -> None:
+        info.updated = time.time()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(PREFIX + f"{info.pool}:{info.address}", json.dumps(asdict(info)), px=int(self.ttl * 1000))
+            pipe.sadd(POOLS + info.pool, info.address)
+            await pipe.execute()
+
+    async def deregister(self, pool: str, address: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(PREFIX + f"{pool}:{address}")
+            pipe.srem(POOLS + pool, address)
+            await pipe.execute()
+
+    async def live(self, pool: str) -> list[ReplicaInfo]:
+        try:
+            members = sorted(m.decode() for m in await self.redis.smembers(POOLS + pool))
+            if not members:
+                return []
+            values = await self.redis.mget([PREFIX + f"{pool}:{m}" for m in members])
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        alive, dead = [], []
+        for member, value in zip(members, values):
+            if value is None:
+                dead.append(member)
+            else:
+                alive.append(ReplicaInfo(**json.loads(value)))
+        if dead:
+            try:
+                await self.redis.srem(POOLS + pool, *dead)
+            except RedisError:
+                pass
+        return alive
+
+
+class Heartbeat:
+    """Keeps one replica registered while its server runs; survives Redis outages."""
+
+    def __init__(self, registry: Registry, report, interval: float = 2.0) -> None:
+        self.registry = registry
+        self.report = report  # () -> ReplicaInfo, the replica's current load
+        self.interval = interval
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        warned = False
+        while True:
+            try:
+                await self.registry.register(self.report())
+                if warned:
+                    log.info("registry: Redis reachable again, registered")
+                warned = False
+            except (RedisError, OSError) as exc:
+                if not warned:
+                    log.warning("registry: cannot reach Redis (%s); retrying every %.1fs", exc, self.interval)
+                warned = True
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        info = self.report()
+        try:
+            await self.registry.deregister(info.pool, info.address)
+        except (RedisError, OSError):
+            pass

@@ -1,0 +1,84 @@
+"""Hosting one engine as a pool replica: model loading, micro-batcher, registry
+heartbeat, metrics and the server's life cycle. The draft and target servers differ
+only in their servicer and engine; this is the part they share."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import torch
+
+from specdec import metrics
+from specdec.batcher import MicroBatcher
+from specdec.config import redis_client, setup_logging
+from specdec.grpc_server import ServerShell, server_credentials
+from specdec.internal.v1 import replica_pb2
+from specdec.model_runner import ModelRunner
+from specdec.models import load_model, pick_device, pick_dtype
+from specdec.registry import Heartbeat, ReplicaInfo, Registry
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(args: argparse.Namespace) -> ModelRunner:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    t0 = time.perf_counter()
+    runner = ModelRunner(load_model(args.model, device, dtype))
+    log.info("loaded %s on %s as %s in %.1fs", args.model, device, dtype, time.perf_counter() - t0)
+    return runner
+
+
+class ReplicaHost:
+    def __init__(self, args: argparse.Namespace, engine, run_batch, service_name: str) -> None:
+        self.args = args
+        self.engine = engine
+        self.pool = args.pool
+        self.address = args.advertise_address or f"127.0.0.1:{args.port}"
+        self.batcher = MicroBatcher(run_batch, max_batch=args.max_batch, on_batch=self._on_batch)
+        self.shell = ServerShell([service_name])
+        self.redis = redis_client(args.redis_url, args.redis_password_file)
+        self.heartbeat = Heartbeat(Registry(self.redis), self.info)
+
+    def _on_batch(self, size: int) -> None:
+        metrics.BATCH_SIZE.labels(self.pool).observe(size)
+        metrics.REPLICA_SESSIONS.labels(self.pool).set(len(self.engine.sessions))
+        metrics.REPLICA_CACHE_BYTES.labels(self.pool).set(self.engine.sessions.cache_bytes)
+
+    def info(self) -> ReplicaInfo:
+        s = self.engine.sessions
+        return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
+                           queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,
+                           model=str(self.args.model), vocab_size=self.engine.runner.vocab_size)
+
+    def load_report(self) -> replica_pb2.LoadReport:
+        s = self.engine.sessions
+        return replica_pb2.LoadReport(
+            pool=self.pool, address=self.address, sessions=len(s), cache_bytes=s.cache_bytes,
+            queue_length=self.batcher.queue_length, max_sessions=s.max_sessions,
+            prefill_tokens=self.engine.fed_tokens, forward_passes=self.engine.forward_passes,
+            evictions=s.evictions, model=str(self.args.model), vocab_size=self.engine.runner.vocab_size)
+
+    async def serve(self, add_servicer) -> None:
+        setup_logging(self.args.log_level)
+        add_servicer(self.shell.server)
+        creds = server_credentials(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
+        port = self.shell.listen(self.args.host, self.args.port, creds)
+        metrics.serve_metrics(self.args.metrics_port)
+        self.batcher.start()
+        await self.shell.server.start()
+        await self.shell.set_serving(True)
+        self.heartbeat.start()
+        self.shell.install_signal_handlers()
+        log.info("%s replica serving on %s:%d (registered as %s)", self.pool, self.args.host, port, self.address)
+        await self.shell.stopping.wait()
+        log.info("draining: deregistering and finishing calls in flight (up to %.0fs)", self.args.drain_seconds)
+        await self.heartbeat.stop()
+        await self.shell.drain_and_stop(self.args.drain_seconds)
+        await self.batcher.stop()
+        await self.redis.aclose()
+        log.info("stopped")

@@ -1,0 +1,141 @@
+"""Session handles in Redis: the orchestrator's only memory of a session.
+
+A handle records which draft and target replica hold the session's KV caches, the
+committed token ids, what each cache holds (the cursor), an epoch and the sampling
+parameters; it expires after a TTL refreshed on use. A round's commit is one pipelined
+MULTI/EXEC (append the new tokens, update the cursor, refresh the TTLs), so any
+orchestrator can continue the session from the last completed round.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from specdec.errors import SessionNotFound, Unavailable
+from specdec.rounds import Cursor
+
+PREFIX = "specdec:session:"
+
+
+@dataclass
+class SessionHandle:
+    session_id: str
+    draft_replica: str
+    target_replica: str
+    epoch: int
+    committed: list[int]
+    cursor: Cursor = field(default_factory=Cursor)
+    params: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.committed)
+
+
+def _tokens_bytes(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype=np.int32).tobytes()
+
+
+def _meta(handle: SessionHandle) -> dict:
+    return {"draft": handle.draft_replica, "target": handle.target_replica, "epoch": handle.epoch,
+            "length": handle.length, "draft_len": handle.cursor.draft_len,
+            "target_len": handle.cursor.target_len, "target_resync": int(handle.cursor.target_resync),
+            "params": json.dumps(handle.params)}
+
+
+class SessionStore:
+    def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600) -> None:
+        self.redis = client
+        self.ttl = ttl_seconds
+
+    @staticmethod
+    def new_id() -> str:
+        return uuid.uuid4().hex
+
+    def _keys(self, session_id: str) -> tuple[str, str]:
+        return PREFIX + session_id, PREFIX + session_id + ":tokens"
+
+    async def create(self, handle: SessionHandle) -> None:
+        meta, toks = self._keys(handle.session_id)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(meta, toks)
+                pipe.hset(meta, mapping=_meta(handle))
+                pipe.set(toks, _tokens_bytes(handle.committed))
+                pipe.expire(meta, self.ttl)
+                pipe.expire(toks, self.ttl)
+                await pipe.execute()
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def load(self, session_id: str) -> SessionHandle:
+        meta_key, toks_key = self._keys(session_id)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(meta_key)
+                pipe.get(toks_key)
+                meta, toks = await pipe.execute()
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        if not meta or toks is None:
+            raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
+        meta = {k.decode(): v.decode() for k, v in meta.items()}
+        length = int(meta["length"])
+        committed = np.frombuffer(toks, dtype=np.int32)[:length].tolist()
+        cursor = Cursor(int(meta["draft_len"]), int(meta["target_len"]), bool(int(meta["target_resync"])))
+        return SessionHandle(session_id, meta["draft"], meta["target"], int(meta["epoch"]), committed,
+                             cursor, json.loads(meta["params"]))
+
+    async def commit_round(self, handle: SessionHandle, new_tokens: list[int]) -> None:
+        """One round trip: append the round's tokens and record what the caches now hold.
+
+        `handle.committed` already includes new_tokens; the stored length guards readers
+        against a partially applied append (MULTI/EXEC makes it atomic anyway)."""
+        meta, toks = self._keys(handle.session_id)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.setrange(toks, 4 * (handle.length - len(new_tokens)), _tokens_bytes(new_tokens))
+                pipe.hset(meta, mapping=_meta(handle))
+                pipe.expire(meta, self.ttl)
+                pipe.expire(toks, self.ttl)
+                await pipe.execute()
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def save(self, handle: SessionHandle) -> None:
+        """Rewrite a whole handle (after a prompt is appended or the session is re-homed)."""
+        await self.create(handle)
+
+    async def delete(self, session_id: str) -> bool:
+        try:
+            return bool(await self.redis.delete(*self._keys(session_id), PREFIX + session_id + ":lock"))
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def try_lock(self, session_id: str, owner: str, ttl_seconds: int = 120) -> bool:
+        """One generation at a time per session: a second concurrent call is refused."""
+        try:
+            return bool(await self.redis.set(PREFIX + session_id + ":lock", owner, nx=True, ex=ttl_seconds))
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def unlock(self, session_id: str, owner: str) -> None:
+        key = PREFIX + session_id + ":lock"
+        try:
+            if await self.redis.get(key) == owner.encode():
+                await self.redis.delete(key)
+        except RedisError:
+            pass  # the lock expires by itself
+
+    async def session_ids(self) -> list[str]:
+        ids = []
+        async for key in self.redis.scan_iter(match=PREFIX + "*", count=500):
+            k = key.decode()[len(PREFIX):]
+            if ":" not in k:
+                ids.append(k)
+        return ids

@@ -1,0 +1,76 @@
+"""The Target gRPC service: a thin shell over TargetEngine."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from draft_service.server import params_from_pb, ref_from_pb
+from specdec.config import add_common_args, add_replica_args
+from specdec.errors import InvalidRequest, SpecDecError
+from specdec.grpc_server import abort
+from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+from specdec.models import BUNDLED_TARGET
+from specdec.replica import ReplicaHost, build_runner
+from specdec.wire import EncodedDistributions, WireFormatError, decode
+from target_service.engine import TargetEngine, VerifyJob
+
+SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Target"].full_name
+
+
+def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int):
+    if gamma == 0:
+        return None
+    if pb.vocab_size != vocab:
+        raise InvalidRequest(f"draft distributions are over {pb.vocab_size} tokens but the target has {vocab}")
+    enc = EncodedDistributions(pb.vocab_size, pb.sparse, pb.dense_fp16, pb.sparse_ids_int32,
+                               pb.sparse_probs_fp16, tuple(pb.row_lengths))
+    try:
+        return decode(enc, gamma)
+    except WireFormatError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+class TargetServicer(replica_pb2_grpc.TargetServicer):
+    def __init__(self, host: ReplicaHost) -> None:
+        self.host = host
+
+    async def Verify(self, request, context):
+        try:
+            gamma = len(request.draft_tokens)
+            q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size)
+            job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q,
+                            params_from_pb(request.sampling))
+            result = await self.host.batcher.submit(job)
+            if isinstance(result, Exception):
+                raise result
+        except SpecDecError as exc:
+            await abort(context, exc)
+        return replica_pb2.VerifyResponse(
+            accepted=result.accepted, next_token=result.next_token, cache_length=result.cache_length,
+            compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced)
+
+    async def Release(self, request, context):
+        return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
+
+    async def Load(self, request, context):
+        return self.host.load_report()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m target_service",
+                                 description="Target pool replica: verifies whole drafts of many sessions in one forward pass.")
+    add_common_args(ap, default_port=50071)
+    add_replica_args(ap, "target", str(BUNDLED_TARGET))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    runner = build_runner(args)
+    engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
+
+    async def run() -> None:
+        host = ReplicaHost(args, engine, engine.verify, SERVICE)
+        await host.serve(lambda server: replica_pb2_grpc.add_TargetServicer_to_server(TargetServicer(host), server))
+
+    asyncio.run(run())
