@@ -1,0 +1,55 @@
+# Everything sets itself up: a fresh machine needs only `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTOS := protos/specdec/v1/orchestrator.proto protos/specdec/internal/v1/replica.proto
+
+.PHONY: help setup venv redis proto run demo test test-fast bench bench-smoke models loadtest soak clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+setup: venv redis  ## virtualenv with pinned packages, and redis-server
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt $(wildcard deploy/requirements.txt)
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+redis:  ## install redis-server (Debian package) if missing
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
+	  { echo "could not install redis-server: install it or set SPECDEC_REDIS_SERVER"; exit 1; }; }
+
+proto: venv  ## regenerate the gRPC stubs from protos/
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+run: setup  ## the whole local stack in the foreground (Ctrl-C stops it)
+	$(PY) -m localstack run
+
+demo: setup  ## bring the stack up, stream a few completions with stats and speedups, take it down
+	$(PY) -m localstack demo
+
+test: setup  ## all tests (unit, statistical, end-to-end against real Redis, gRPC and models)
+	$(PY) -m pytest -q tests
+
+test-fast: setup  ## tests without the slow end-to-end ones
+	$(PY) -m pytest -q -m "not e2e" tests
+
+bench: setup  ## side-by-side benchmark; writes benchmarks/RESULTS.md and a plot
+	$(PY) -m benchmarks.bench
+
+models: venv  ## retrain the bundled pair (about 45 minutes on 2 cores)
+	$(PY) -m training --out models
+
+loadtest: setup  ## python load generator against a local stack
+	$(PY) -m localstack loadtest
+
+soak: setup  ## N streams for M minutes against the local stack (SOAK_STREAMS, SOAK_MINUTES)
+	$(PY) -m localstack soak --streams $${SOAK_STREAMS:-8} --minutes $${SOAK_MINUTES:-10}
+
+clean:
+	rm -rf $(VENV) .pytest_cache
