@@ -12,10 +12,10 @@ help:  ## list the targets
 setup: venv redis  ## virtualenv with pinned packages, and redis-server
 
 venv: $(VENV)/.installed
-$(VENV)/.installed: requirements.txt $(wildcard deploy/requirements.txt)
+$(VENV)/.installed: requirements.txt requirements-dev.txt deploy/requirements.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
 redis:  ## install redis-server (Debian package) if missing

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_DRAFT = REPO_ROOT / "models" / "draft"
-BUNDLED_TARGET = REPO_ROOT / "models" / "target"
+BUNDLED_DIR = Path(os.environ.get("SPECDEC_BUNDLED_MODELS", REPO_ROOT / "models"))
+BUNDLED_DRAFT = BUNDLED_DIR / "draft"
+BUNDLED_TARGET = BUNDLED_DIR / "target"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

@@ -36,6 +36,22 @@ class CallResult:
     error: str | None = None
     first_message_s: float | None = None  # streams: time to the first chunk
     tokens: int = 0
+    stats: dict | None = None  # the server's GenerationStats, as speculation_stats() keeps them
+
+
+def speculation_stats(stats) -> dict:
+    """The GenerationStats fields that capacity planning needs (docs/deploy.md)."""
+    return {
+        "rounds": stats.rounds,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "target_forward_passes": stats.target_forward_passes,
+        "gamma_sum": stats.mean_gamma * stats.rounds,
+        "draft_ms": stats.times.draft_ms,
+        "verify_ms": stats.times.verify_ms,
+        "network_ms": stats.times.network_ms,
+    }
 
 
 @dataclass(frozen=True)
@@ -116,25 +132,26 @@ class Caller:
         start = time.perf_counter()
         try:
             if self.stream:
-                first, tokens = await self._stream(start)
+                first, tokens, stats = await self._stream(start)
             else:
                 reply = await self.rpc(self.request, timeout=self.timeout_s, metadata=self.metadata)
                 first, tokens = None, reply.stats.generated_tokens or len(reply.token_ids)
+                stats = speculation_stats(reply.stats) if reply.HasField("stats") else None
         except grpc.aio.AioRpcError as e:
             return CallResult(time.perf_counter() - start, e.code().name, e.details() or e.code().name)
         except Exception as e:  # transport or client failure: counted, never raised
             return CallResult(time.perf_counter() - start, "UNKNOWN", f"{type(e).__name__}: {e}")
-        return CallResult(time.perf_counter() - start, "OK", None, first, tokens)
+        return CallResult(time.perf_counter() - start, "OK", None, first, tokens, stats)
 
-    async def _stream(self, start: float) -> tuple[float | None, int]:
-        first, tokens, reported = None, 0, 0
+    async def _stream(self, start: float) -> tuple[float | None, int, dict | None]:
+        first, tokens, stats = None, 0, None
         async for chunk in self.rpc(self.request, timeout=self.timeout_s, metadata=self.metadata):
             if first is None:
                 first = time.perf_counter() - start
             tokens += len(chunk.token_ids)
             if chunk.HasField("stats"):
-                reported = chunk.stats.generated_tokens
-        return first, reported or tokens
+                stats = speculation_stats(chunk.stats)
+        return first, (stats or {}).get("generated_tokens") or tokens, stats
 
 
 async def drive(plan: Plan, callers: list[Caller]) -> tuple[list[CallResult], float]:
@@ -195,16 +212,38 @@ def summarize(results: list[CallResult], total_s: float, name: str = "") -> dict
     firsts = sorted(r.first_message_s * 1000 for r in ok if r.first_message_s is not None)
     if firsts:
         summary["first_message_percentiles_ms"] = {f"p{p}": percentile(firsts, p) for p in PERCENTILES}
+    speculation = summarize_speculation([r.stats for r in ok if r.stats])
+    if speculation:
+        summary["speculation"] = speculation
     return summary
 
 
+def summarize_speculation(stats: list[dict]) -> dict:
+    """Per-round averages over all calls: the inputs of the capacity formula (docs/deploy.md)."""
+    total = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else {}
+    rounds = total.get("rounds", 0)
+    if not rounds:
+        return {}
+    return {
+        "rounds": rounds,
+        "acceptance_rate": total["accepted_tokens"] / total["drafted_tokens"] if total["drafted_tokens"] else 0.0,
+        "mean_gamma": total["gamma_sum"] / rounds,
+        "tokens_per_round": total["generated_tokens"] / rounds,
+        "tokens_per_target_pass": total["generated_tokens"] / max(1, total["target_forward_passes"]),
+        "draft_ms_per_round": total["draft_ms"] / rounds,
+        "verify_ms_per_round": total["verify_ms"] / rounds,
+        "network_ms_per_round": total["network_ms"] / rounds,
+    }
+
+
 def histogram(sorted_ms: list[float], buckets: int = 10) -> list[dict]:
-    """ghz's response-time histogram: counts at or below each of `buckets` evenly spaced marks."""
+    """ghz's response-time histogram: how many latencies fall in (previous mark, mark], for
+    `buckets` + 1 evenly spaced marks from the fastest to the slowest."""
     if not sorted_ms:
         return []
     lo, hi = sorted_ms[0], sorted_ms[-1]
     step = (hi - lo) / buckets
-    marks = [lo + step * i for i in range(buckets + 1)] if step > 0 else [hi]
+    marks = [lo + step * i for i in range(buckets)] + [hi] if step > 0 else [hi]
     counts, j = [], 0
     for mark in marks:
         n = 0
@@ -238,6 +277,16 @@ def format_summary(s: dict) -> str:
     if "first_message_percentiles_ms" in s:
         lines += ["", "First message (stream) distribution:"]
         lines += [f"  {k[1:]} % in {v:.2f} ms" for k, v in s["first_message_percentiles_ms"].items()]
+    if "speculation" in s:
+        sp = s["speculation"]
+        lines += ["", "Speculation (per round, all calls):",
+                  f"  Rounds:\t{sp['rounds']}",
+                  f"  Mean gamma:\t{sp['mean_gamma']:.2f}",
+                  f"  Acceptance:\t{sp['acceptance_rate']:.3f}",
+                  f"  Tokens/round:\t{sp['tokens_per_round']:.2f}",
+                  f"  Draft:\t{sp['draft_ms_per_round']:.2f} ms",
+                  f"  Verify:\t{sp['verify_ms_per_round']:.2f} ms",
+                  f"  Network:\t{sp['network_ms_per_round']:.2f} ms"]
     lines += ["", "Status code distribution:"]
     lines += [f"  [{code}]\t{n} responses" for code, n in sorted(s["status_codes"].items())]
     if s["errors"]:
@@ -268,8 +317,9 @@ async def run_load_async(
     connections: int = 1,
     reflection: bool = False,
     allow_remote: bool = False,
+    print_summary: bool = True,
 ) -> dict:
-    """Send the planned calls to `target` and return the summary (see summarize)."""
+    """Send the planned calls to `target`, print the ghz-style summary, and return it (see summarize)."""
     if not allow_remote:
         check_loopback(target)
     plan = Plan.bounded(total, duration, concurrency, rps)
@@ -294,7 +344,10 @@ async def run_load_async(
     finally:
         for ch in channels:
             await ch.close()
-    return summarize(results, elapsed, call)
+    summary = summarize(results, elapsed, call)
+    if print_summary:
+        print(format_summary(summary), flush=True)
+    return summary
 
 
 def run_load(**kwargs) -> dict:
@@ -392,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             args.token = f.read().strip()
     kwargs.update({k: getattr(args, k) for k in RUN_LOAD_FLAGS if getattr(args, k) is not None})
     kwargs["insecure"] = kwargs.get("cacert") is None
+    kwargs["print_summary"] = False
     try:
         summary = run_load(**kwargs)
     except (ValueError, LookupError, grpc.RpcError) as e:

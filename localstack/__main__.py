@@ -1,0 +1,109 @@
+"""python -m localstack {run,demo,loadtest,soak}: the local stack on the bundled models."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+
+from localstack.stack import LocalStack
+
+
+def _stack(args) -> LocalStack:
+    kw = {}
+    if args.draft_model:
+        kw["draft_model"] = args.draft_model
+    if args.target_model:
+        kw["target_model"] = args.target_model
+    return LocalStack(quiet=not getattr(args, "verbose", False), **kw)
+
+
+def cmd_run(args) -> int:
+    stack = _stack(args)
+    stack.quiet = False
+    stack.redis_port = args.redis_port
+    stack.start_redis()
+    for _ in range(args.targets):
+        stack.start_replica("target", port=args.target_port if args.targets == 1 else 0)
+    for _ in range(args.drafts):
+        stack.start_replica("draft", port=args.draft_port if args.drafts == 1 else 0)
+    stack.start_orchestrator(port=args.port, extra=["--metrics-port", str(args.metrics_port)] if args.metrics_port else [])
+    print(f"\nready: orchestrator on 127.0.0.1:{args.port}, Redis on {stack.redis_url}; "
+          f"try: .venv/bin/python -m orchestrator.client 'def parse(' --max-new-tokens 64\nCtrl-C stops.", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            dead = [r for r in stack.replicas + stack.orchestrators if r.proc.poll() is not None]
+            if dead:
+                print(f"{dead[0].kind} on port {dead[0].port} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping the stack", flush=True)
+        stack.stop()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from localstack.demo import run_demo
+
+    with _stack(args) as stack:
+        print("starting Redis, a draft replica, a target replica and the orchestrator ...", flush=True)
+        stack.start()
+        return run_demo(stack.orchestrator_address, args.max_new_tokens)
+
+
+def cmd_loadtest(args) -> int:
+    from deploy.loadtest.loadgen import run_load
+
+    with _stack(args) as stack:
+        stack.start()
+        summary = run_load(target=stack.orchestrator_address, concurrency=args.concurrency,
+                           duration=args.duration, max_new_tokens=args.max_new_tokens, stream=True)
+        return 0 if not summary.get("errors") else 1
+
+
+def cmd_soak(args) -> int:
+    from localstack.soak import soak
+
+    with _stack(args) as stack:
+        stack.start()
+        report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens))
+        return 0 if report["errors"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m localstack", description=__doc__)
+    ap.add_argument("--draft-model", help="draft model directory (default: bundled)")
+    ap.add_argument("--target-model", help="target model directory (default: bundled)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="Redis, one draft, one target and the orchestrator in the foreground")
+    run.add_argument("--port", type=int, default=50051)
+    run.add_argument("--draft-port", type=int, default=50061)
+    run.add_argument("--target-port", type=int, default=50071)
+    run.add_argument("--redis-port", type=int, default=6379)
+    run.add_argument("--metrics-port", type=int, default=9100)
+    run.add_argument("--drafts", type=int, default=1)
+    run.add_argument("--targets", type=int, default=1)
+    demo = sub.add_parser("demo", help="stream a few completions with stats and the speedup over target-only")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    lt = sub.add_parser("loadtest", help="the Python load generator against a fresh local stack")
+    lt.add_argument("--concurrency", type=int, default=4)
+    lt.add_argument("--duration", type=float, default=20.0)
+    lt.add_argument("--max-new-tokens", type=int, default=32)
+    so = sub.add_parser("soak", help="N concurrent streams for M minutes; errors, latency, memory")
+    so.add_argument("--streams", type=int, default=8)
+    so.add_argument("--minutes", type=float, default=10.0)
+    so.add_argument("--max-new-tokens", type=int, default=64)
+    for p in (run, demo, lt, so):
+        p.add_argument("--verbose", action="store_true", help="show the servers' logs")
+    args = ap.parse_args(argv)
+    return {"run": cmd_run, "demo": cmd_demo, "loadtest": cmd_loadtest, "soak": cmd_soak}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""The rendered Kubernetes manifests: valid, and deployable the way issue 6 asks.
+
+Pure and fast: kubectl's built-in kustomize renders each overlay once; no cluster.
+"""
+from __future__ import annotations
+
+import re
+
+import kubernetes.client
+import kubernetes_validate
+import pytest
+
+from deploy import OVERLAYS
+from deploy.cluster import referenced_secrets
+from deploy.render import find_kubectl, kustomize_version, render_objects
+from deploy.validate import check_schema, check_typed, to_typed
+
+POOLS = {"draft": 50061, "target": 50071}
+SERVICES = {**POOLS, "orchestrator": 50051}
+GPU_OVERLAYS = ("gpu", "gpu-keda")
+TLS_PROBE = ["python", "/etc/specdec/probe/grpc_health_tls.py"]
+KNOWN_SPECDEC_ENV = {
+    "SPECDEC_" + name for name in (
+        "MODEL", "TOKENIZER", "HOST", "PORT", "ADVERTISE_ADDRESS", "POOL", "REDIS_URL",
+        "REDIS_PASSWORD_FILE", "DEVICE", "DTYPE", "METRICS_PORT", "MAX_SESSIONS", "DRAIN_SECONDS",
+        "THREADS", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "API_TOKEN_FILE",
+        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL",
+        "MODELS",  # the model download Job's own list
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    command = find_kubectl()
+    return {overlay: render_objects(overlay, command) for overlay in OVERLAYS}
+
+
+# ---- helpers ----
+
+def find(objs: list[dict], kind: str, name: str) -> dict:
+    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def workloads(objs: list[dict]) -> list[dict]:
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet", "Job")]
+
+
+def all_containers(pod_spec: dict) -> list[dict]:
+    return pod_spec.get("initContainers", []) + pod_spec["containers"]
+
+
+def main_container(objs: list[dict], component: str) -> dict:
+    return find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]["containers"][0]
+
+
+def container_env(objs: list[dict], container: dict) -> dict[str, str]:
+    """Literal env of a container, envFrom ConfigMaps included (later entries win)."""
+    env = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        env.update(find(objs, "ConfigMap", name)["data"])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+    return env
+
+
+def labels_match(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        (labels.get(e["key"]) in e["values"]) == (e["operator"] == "In")
+        for e in selector.get("matchExpressions", []))
+
+
+def pod_labels(objs: list[dict], component: str) -> dict:
+    return find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["metadata"]["labels"]
+
+
+def prestop_sleep_s(container: dict) -> int:
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return int(command[1]) if command[:1] == ["sleep"] else 0
+
+
+# ---- rendering and validation ----
+
+def test_kubectl_has_a_recent_kustomize():
+    assert kustomize_version(find_kubectl()) >= (5, 0)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_into_one_namespace(rendered, overlay):
+    objs = rendered[overlay]
+    assert len(objs) > 20
+    for obj in objs:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "specdec", obj["metadata"]["name"]
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("version", ["1.33", kubernetes_validate.utils.latest_version()])
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_validate_against_the_openapi_schemas(rendered, overlay, version):
+    builtin = [o for o in rendered[overlay] if o["kind"] != "ScaledObject"]
+    problems = [p for obj in builtin for p in check_schema(obj, version)]
+    assert not problems, "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_load_into_the_typed_models(rendered, overlay):
+    builtin = [o for o in rendered[overlay] if o["kind"] != "ScaledObject"]
+    problems = [p for obj in builtin for p in check_typed(obj)]
+    assert not problems, "\n".join(map(str, problems))
+    deployment = to_typed(find(rendered[overlay], "Deployment", "specdec-draft"))
+    assert isinstance(deployment, kubernetes.client.V1Deployment)
+    assert deployment.spec.template.spec.containers[0].args == ["draft_service"]
+
+
+def test_custom_resources_appear_only_in_the_keda_overlay(rendered):
+    for overlay in ("cpu", "gpu"):
+        assert all(o["apiVersion"] != "keda.sh/v1alpha1" for o in rendered[overlay])
+    scaled = [o for o in rendered["gpu-keda"] if o["kind"] == "ScaledObject"]
+    assert {o["spec"]["scaleTargetRef"]["name"] for o in scaled} == {"specdec-draft", "specdec-target"}
+    for o in scaled:
+        query = o["spec"]["triggers"][0]["metadata"]["query"]
+        assert "specdec_replica_queue_length" in query
+
+
+# ---- pools ----
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pool_has_its_own_deployment_and_autoscaler(rendered, overlay):
+    objs = rendered[overlay]
+    hpa_targets = [o["spec"]["scaleTargetRef"]["name"] for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
+    keda_targets = [o["spec"]["scaleTargetRef"]["name"] for o in objs if o["kind"] == "ScaledObject"]
+    for component in SERVICES:
+        name = f"specdec-{component}"
+        deployment = find(objs, "Deployment", name)
+        assert "replicas" not in deployment["spec"], "the autoscaler owns the replica count"
+        assert (hpa_targets + keda_targets).count(name) == 1, f"{name} needs exactly one autoscaler"
+    assert hpa_targets.count("specdec-orchestrator") == 1
+    if overlay == "gpu-keda":
+        assert set(keda_targets) == {"specdec-draft", "specdec-target"}
+    else:
+        assert set(hpa_targets) == {f"specdec-{c}" for c in SERVICES}
+
+
+def test_hpas_are_autoscaling_v2_with_bounds(rendered):
+    for overlay in OVERLAYS:
+        for hpa in (o for o in rendered[overlay] if o["kind"] == "HorizontalPodAutoscaler"):
+            assert hpa["apiVersion"] == "autoscaling/v2"
+            assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+            assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60
+
+
+def test_gpu_pools_scale_on_queue_length(rendered):
+    for component in POOLS:
+        hpa = find(rendered["gpu"], "HorizontalPodAutoscaler", f"specdec-{component}")
+        names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+        assert names == ["specdec_replica_queue_length"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_are_grpc_health_checks_on_the_service_port(rendered, overlay):
+    objs = rendered[overlay]
+    for component, port in SERVICES.items():
+        container = main_container(objs, component)
+        assert container["args"] == [component if component == "orchestrator" else f"{component}_service"]
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == port
+        assert container_env(objs, container)["SPECDEC_PORT"] == str(port)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[kind]
+            if overlay == "cpu":
+                assert probe["grpc"] == {"port": port}, f"{component} {kind}"
+            else:  # TLS on the port: the exec probe checks grpc.health.v1 over mTLS on $SPECDEC_PORT
+                assert "grpc" not in probe and probe["exec"]["command"] == TLS_PROBE, f"{component} {kind}"
+        service = find(objs, "Service", f"specdec-{component}")
+        grpc_port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]
+        assert grpc_port["port"] == port and grpc_port["targetPort"] == "grpc"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_register_their_pod_ip(rendered, overlay):
+    for component, port in POOLS.items():
+        env = main_container(rendered[overlay], component)["env"]
+        names = [e["name"] for e in env]
+        pod_ip = env[names.index("POD_IP")]
+        assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        advertise = env[names.index("SPECDEC_ADVERTISE_ADDRESS")]
+        assert advertise["value"] == f"$(POD_IP):{port}"
+        assert names.index("POD_IP") < names.index("SPECDEC_ADVERTISE_ADDRESS"), "$(VAR) needs VAR defined first"
+        assert container_env(rendered[overlay], main_container(rendered[overlay], component))["SPECDEC_POOL"] == component
+
+
+def test_pools_have_headless_services_and_the_api_a_cluster_ip(rendered):
+    objs = rendered["cpu"]
+    for component in POOLS:
+        assert find(objs, "Service", f"specdec-{component}")["spec"]["clusterIP"] == "None"
+    assert find(objs, "Service", "specdec-orchestrator")["spec"]["type"] == "ClusterIP"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_pdbs_and_spread_select_their_own_pods(rendered, overlay):
+    objs = rendered[overlay]
+    for component in SERVICES:
+        labels = pod_labels(objs, component)
+        others = [pod_labels(objs, c) for c in SERVICES if c != component]
+        service = find(objs, "Service", f"specdec-{component}")
+        assert labels_match({"matchLabels": service["spec"]["selector"]}, labels)
+        assert not any(labels_match({"matchLabels": service["spec"]["selector"]}, o) for o in others)
+        pdb = find(objs, "PodDisruptionBudget", f"specdec-{component}")
+        assert labels_match(pdb["spec"]["selector"], labels)
+        assert pdb["spec"]["maxUnavailable"] == 1
+        spread = find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert {c["topologyKey"] for c in spread} == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+        assert all(labels_match(c["labelSelector"], labels) for c in spread)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_requests_and_limits(rendered, overlay):
+    for workload in workloads(rendered[overlay]):
+        for c in all_containers(workload["spec"]["template"]["spec"]):
+            for section in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][section]), f"{workload['metadata']['name']}/{c['name']}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_termination_grace_outlasts_prestop_and_drain(rendered, overlay):
+    objs = rendered[overlay]
+    for component in SERVICES:
+        deployment = find(objs, "Deployment", f"specdec-{component}")
+        container = main_container(objs, component)
+        drain = int(container_env(objs, container)["SPECDEC_DRAIN_SECONDS"])
+        sleep = prestop_sleep_s(container)
+        assert sleep > 0, "a preStop sleep lets endpoints and the registry catch up before SIGTERM"
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > sleep + drain
+
+
+# ---- hardware ----
+
+def gpu_count(container: dict) -> dict:
+    r = container.get("resources", {})
+    return {s: r.get(s, {}).get("nvidia.com/gpu") for s in ("requests", "limits") if "nvidia.com/gpu" in r.get(s, {})}
+
+
+def test_gpu_requests_appear_in_the_gpu_overlays_only(rendered):
+    for overlay in OVERLAYS:
+        for workload in workloads(rendered[overlay]):
+            for c in all_containers(workload["spec"]["template"]["spec"]):
+                name = workload["metadata"]["name"]
+                wants_gpu = overlay in GPU_OVERLAYS and name in ("specdec-draft", "specdec-target") \
+                    and c["name"] in POOLS
+                assert gpu_count(c) == ({"requests": "1", "limits": "1"} if wants_gpu else {}), f"{overlay} {name}/{c['name']}"
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_pools_land_on_their_node_pools_with_hf_models(rendered, overlay):
+    objs = rendered[overlay]
+    expected = {"draft": ("small", "meta-llama/Llama-3.2-1B-Instruct"),
+                "target": ("large", "meta-llama/Llama-3.1-8B-Instruct")}
+    for component, (gpu_class, model) in expected.items():
+        spec = find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {"specdec.io/gpu-class": gpu_class}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        env = container_env(objs, spec["containers"][0])
+        assert env["SPECDEC_MODEL"] == model
+        assert (env["SPECDEC_DEVICE"], env["SPECDEC_DTYPE"]) == ("cuda", "bfloat16")
+        assert env["HF_HUB_OFFLINE"] == "1"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "specdec-models", "readOnly": True}
+    assert find(objs, "PersistentVolumeClaim", "specdec-models")["spec"]["accessModes"] == ["ReadWriteMany"]
+    download = find(objs, "Job", "specdec-models-download")["spec"]["template"]["spec"]["containers"][0]
+    assert set(container_env(objs, download)["SPECDEC_MODELS"].split()) == {m for _, m in expected.values()}
+
+
+def test_cpu_overlay_runs_the_bundled_models_on_cpu(rendered):
+    objs = rendered["cpu"]
+    for component in POOLS:
+        env = container_env(objs, main_container(objs, component))
+        assert env["SPECDEC_MODEL"] == f"/app/models/{component}" and env["SPECDEC_DEVICE"] == "cpu"
+        spec = find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]
+        assert "nodeSelector" not in spec and "tolerations" not in spec
+    assert container_env(objs, main_container(objs, "orchestrator"))["SPECDEC_TOKENIZER"] == "/app/models/target"
+
+
+# ---- security ----
+
+def rule_ports(rule: dict) -> set[int]:
+    return {p["port"] for p in rule.get("ports", [])}
+
+
+def peers_for_port(policy: dict, port: int) -> list[dict | None]:
+    """The `from` peers of every ingress rule admitting `port` (None = any source)."""
+    peers = []
+    for rule in policy["spec"].get("ingress", []):
+        if port in rule_ports(rule) or not rule.get("ports"):
+            peers.extend(rule.get("from") or [None])
+    return peers
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_isolate_pools_and_redis(rendered, overlay):
+    objs = rendered[overlay]
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    deny = find(objs, "NetworkPolicy", "specdec-default-deny-ingress")
+    assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    orchestrator = pod_labels(objs, "orchestrator")
+
+    def policy_for(labels):
+        found = [p for p in policies if p["spec"]["podSelector"] and labels_match(p["spec"]["podSelector"], labels)]
+        assert len(found) == 1
+        return found[0]
+
+    for component, port in POOLS.items():
+        peers = peers_for_port(policy_for(pod_labels(objs, component)), port)
+        assert peers and all(p and set(p) == {"podSelector"} and labels_match(p["podSelector"], orchestrator)
+                             for p in peers), f"only the orchestrator may reach the {component} pool"
+        other_pool = pod_labels(objs, "target" if component == "draft" else "draft")
+        assert not any(labels_match(p["podSelector"], other_pool) for p in peers)
+
+    redis = find(objs, "StatefulSet", "specdec-redis")["spec"]["template"]["metadata"]["labels"]
+    peers = peers_for_port(policy_for(redis), 6379)
+    for component in SERVICES:
+        assert any(labels_match(p["podSelector"], pod_labels(objs, component)) for p in peers)
+    assert all(p and set(p) == {"podSelector"} for p in peers), "no namespace or ipBlock may reach Redis"
+    assert not labels_match(peers[0]["podSelector"], {"app.kubernetes.io/name": "other"})
+
+    assert None in peers_for_port(policy_for(orchestrator), 50051), "the public API is open"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_container_runs_as_root(rendered, overlay):
+    for workload in workloads(rendered[overlay]):
+        name = workload["metadata"]["name"]
+        spec = workload["spec"]["template"]["spec"]
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec.get("automountServiceAccountToken") is False, name
+        for c in all_containers(spec):
+            sc = c["securityContext"]
+            assert sc.get("runAsUser", pod["runAsUser"]) > 0, f"{name}/{c['name']}"
+            assert sc["allowPrivilegeEscalation"] is False, f"{name}/{c['name']}"
+            assert sc["readOnlyRootFilesystem"] is True, f"{name}/{c['name']}"
+            assert sc["capabilities"] == {"drop": ["ALL"]}, f"{name}/{c['name']}"
+            assert not sc.get("privileged"), f"{name}/{c['name']}"
+        if "specdec" in spec["containers"][0]["image"]:
+            assert pod["runAsUser"] == 10001, "the image's user"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_read_only_root_gets_a_writable_tmp(rendered, overlay):
+    for workload in workloads(rendered[overlay]):
+        spec = workload["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert len(tmp) == 1 and "emptyDir" in volumes[tmp[0]["name"]], workload["metadata"]["name"]
+
+
+def test_namespace_enforces_restricted_pod_security(rendered):
+    for overlay in OVERLAYS:
+        labels = find(rendered[overlay], "Namespace", "specdec")["metadata"]["labels"]
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_cpu_overlay_generates_its_dev_secrets(rendered):
+    objs = rendered["cpu"]
+    assert referenced_secrets(objs) == set()
+    secrets = {o["metadata"]["name"] for o in objs if o["kind"] == "Secret"}
+    assert {re.sub(r"-[a-z0-9]{10}$", "", s) for s in secrets} == {"specdec-redis", "specdec-api-token"}
+    orchestrator = main_container(objs, "orchestrator")
+    assert container_env(objs, orchestrator)["SPECDEC_API_TOKEN_FILE"] == "/var/run/secrets/specdec/api/token"
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_overlays_take_secrets_from_the_cluster_and_enable_tls(rendered, overlay):
+    objs = rendered[overlay]
+    assert not [o for o in objs if o["kind"] == "Secret"], "no secret material in git for a real cluster"
+    assert referenced_secrets(objs) == {"specdec-redis", "specdec-api-token", "specdec-tls"}
+    for component in SERVICES:
+        env = container_env(objs, main_container(objs, component))
+        assert env["SPECDEC_TLS_CERT_FILE"] == "/var/run/secrets/specdec/tls/tls.crt"
+        assert env["SPECDEC_TLS_KEY_FILE"] == "/var/run/secrets/specdec/tls/tls.key"
+        assert env["SPECDEC_TLS_CA_FILE"] == "/var/run/secrets/specdec/tls/ca.crt"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_known_settings_are_set(rendered, overlay):
+    for workload in workloads(rendered[overlay]):
+        for c in all_containers(workload["spec"]["template"]["spec"]):
+            names = {k for k in container_env(rendered[overlay], c) if k.startswith("SPECDEC_")}
+            assert names <= KNOWN_SPECDEC_ENV, names - KNOWN_SPECDEC_ENV
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_pinned(rendered, overlay):
+    for workload in workloads(rendered[overlay]):
+        for c in all_containers(workload["spec"]["template"]["spec"]):
+            image = c["image"]
+            tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
+            assert tag and tag != "latest", f"{workload['metadata']['name']}/{c['name']}: {image}"
+
+
+# ---- Redis ----
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_keeps_an_aof_on_a_persistent_volume_behind_a_password(rendered, overlay):
+    objs = rendered[overlay]
+    sts = find(objs, "StatefulSet", "specdec-redis")
+    claims = {t["metadata"]["name"]: t for t in sts["spec"]["volumeClaimTemplates"]}
+    assert claims["data"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    config_volume = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"][0]
+    conf = find(objs, "ConfigMap", config_volume["configMap"]["name"])["data"]["redis.conf"]
+    lines = {line.strip() for line in conf.splitlines()}
+    assert {"appendonly yes", "appendfsync everysec", "dir /data", "include /tmp/redis-auth.conf"} <= lines
+    # requirepass is written from the Secret at start, never from the ConfigMap or argv.
+    assert not any(line.startswith("requirepass") for line in lines)
+    script = container["args"][0]
+    assert "requirepass" in script and "/var/run/secrets/specdec/redis/password" in script
+    secret = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "redis-password"][0]
+    assert secret["secret"]["secretName"].startswith("specdec-redis")
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+
+
+def test_services_read_the_redis_password_from_the_same_secret(rendered):
+    objs = rendered["cpu"]
+    redis_secret = [v for v in find(objs, "StatefulSet", "specdec-redis")["spec"]["template"]["spec"]["volumes"]
+                    if v["name"] == "redis-password"][0]["secret"]["secretName"]
+    for component in SERVICES:
+        spec = find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]
+        env = container_env(objs, spec["containers"][0])
+        assert env["SPECDEC_REDIS_URL"] == "redis://specdec-redis:6379/0"
+        mount = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "redis-password"][0]
+        assert env["SPECDEC_REDIS_PASSWORD_FILE"] == mount["mountPath"] + "/password"
+        volume = [v for v in spec["volumes"] if v["name"] == "redis-password"][0]
+        assert volume["secret"]["secretName"] == redis_secret

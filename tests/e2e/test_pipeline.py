@@ -1,0 +1,125 @@
+"""The distributed pipeline through the public API, against a real Redis, real gRPC
+servers on loopback and the bundled models."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.e2e.helpers import api, load_report, redis_client, request, session_keys, stream
+from tests.specdec.test_spec_loop import _chisq
+
+pytestmark = pytest.mark.e2e
+
+
+def target_greedy(target_model, ids, n, eos):
+    out = target_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, pad_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_through_the_api_matches_the_target_alone(local_stack, target_model, tokenizer, heldout_prompts):
+    stub = api(local_stack.orchestrator_address)
+    for prompt in heldout_prompts[:6]:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = target_greedy(target_model, ids, 48, tokenizer.eos_token_id)
+        unary = stub.Generate(request(prompt, 48, 0.0), timeout=120)
+        streamed, text, last = stream(stub, request(prompt, 48, 0.0))
+        target_only = stub.Generate(request(prompt, 48, 0.0, gamma=0), timeout=120)
+        fixed = stub.Generate(request(prompt, 48, 0.0, gamma=4), timeout=120)
+        assert list(unary.token_ids) == expected
+        assert streamed == expected and text == unary.text
+        assert list(target_only.token_ids) == expected and target_only.stats.drafted_tokens == 0
+        assert list(fixed.token_ids) == expected
+        assert fixed.stats.target_forward_passes < len(expected)  # speculation saved passes
+        assert last.stats.generated_tokens == len(expected)
+
+
+def test_seeded_sampling_is_reproducible(local_stack):
+    stub = api(local_stack.orchestrator_address)
+    a = stub.Generate(request("class Node:\n", 40, 1.0, seed=1234, top_p=0.95), timeout=120)
+    b = stub.Generate(request("class Node:\n", 40, 1.0, seed=1234, top_p=0.95), timeout=120)
+    c = stub.Generate(request("class Node:\n", 40, 1.0, seed=1235, top_p=0.95), timeout=120)
+    assert list(a.token_ids) == list(b.token_ids)
+    assert list(a.token_ids) != list(c.token_ids)
+    assert a.stats.seed == 1234
+
+
+def test_first_token_distribution_through_the_api_is_the_targets(local_stack, target_model, tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    prompt = "    def __init__(self, "
+    ids = tokenizer(prompt)["input_ids"]
+    n = 600
+
+    def first(seed):
+        r = stub.Generate(request(prompt, 2, 1.0, gamma=3, seed=seed), timeout=120)
+        return r.token_ids[0]
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        firsts = list(pool.map(first, range(n)))
+    with torch.no_grad():
+        p = torch.softmax(target_model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+    observed = torch.bincount(torch.tensor(firsts), minlength=p.shape[0]).double()
+    assert _chisq(observed, p) > 1e-3
+
+
+def test_sessions_continue_without_reprefill_and_handles_are_cleaned(local_stack, tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    first = stub.Generate(request("def add(a, b):\n", 16, 0.0, keep_session=True), timeout=120)
+    sid = first.session_id
+    assert sid in session_keys(local_stack)
+    target = first.stats.target_replica
+    before = load_report(target, "target").prefill_tokens
+    follow = "\n\ndef sub(a, b):\n"
+    second = stub.Generate(request(follow, 16, 0.0, session_id=sid), timeout=120)
+    fed = load_report(target, "target").prefill_tokens - before
+    # only the new prompt, the last token of the previous call and the drafts were fed
+    assert fed <= len(tokenizer(follow)["input_ids"]) + 1 + second.stats.drafted_tokens + second.stats.rounds
+    assert second.session_id == sid and second.stats.target_replica == target
+    stub.EndSession(pb.EndSessionRequest(session_id=sid))
+    assert sid not in session_keys(local_stack)
+    ephemeral = stub.Generate(request("x = 1\n", 8, 0.0), timeout=120)
+    assert ephemeral.session_id not in session_keys(local_stack)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request("more", 4, 0.0, session_id=sid), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_second_orchestrator_continues_a_session(local_stack, target_model, tokenizer):
+    other = local_stack.start_orchestrator()
+    try:
+        stub_a, stub_b = api(local_stack.orchestrator_address), api(other.address)
+        prompt = "def fib(n):\n"
+        first = stub_a.Generate(request(prompt, 12, 0.0, keep_session=True), timeout=120)
+        second = stub_b.Generate(request("", 12, 0.0, session_id=first.session_id), timeout=120)
+        ids = tokenizer(prompt)["input_ids"]
+        expected = target_greedy(target_model, ids, 24, tokenizer.eos_token_id)
+        assert list(first.token_ids) + list(second.token_ids) == expected
+        stub_b.EndSession(pb.EndSessionRequest(session_id=first.session_id))
+    finally:
+        local_stack.kill(other, sig=15)
+        local_stack.orchestrators.remove(other)
+
+
+def test_health_and_reflection(local_stack):
+    channel = grpc.insecure_channel(local_stack.orchestrator_address)
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Orchestrator"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"specdec.v1.Orchestrator", "grpc.health.v1.Health"} <= names
+    for rep in local_stack.replicas:
+        ch = grpc.insecure_channel(rep.address)
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_replicas_are_in_the_registry(local_stack):
+    r = redis_client(local_stack)
+    members = {m.decode() for m in r.smembers("specdec:pool:draft")} | {m.decode() for m in r.smembers("specdec:pool:target")}
+    assert {rep.address for rep in local_stack.replicas} <= members

@@ -1,0 +1,81 @@
+"""Bad input gets a clear status and message, one case a row, and the server keeps serving."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.e2e.helpers import api, request
+
+pytestmark = pytest.mark.e2e
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _req(**kw):
+    r = pb.GenerateRequest(prompt=kw.pop("prompt", "def f():"), max_new_tokens=kw.pop("max_new_tokens", 8))
+    for k, v in kw.items():
+        if isinstance(v, list):
+            getattr(r, k).extend(v)
+        else:
+            setattr(r, k, v)
+    return r
+
+
+CASES = [
+    ("empty prompt", _req(prompt=""), INVALID, "prompt is empty"),
+    ("prompt and ids", _req(prompt_token_ids=[1, 2]), INVALID, "not both"),
+    ("over-long prompt", _req(prompt="x" * 250_000), INVALID, "characters"),
+    ("prompt beyond context", _req(prompt="a = 1\n" * 3000), INVALID, "context"),
+    ("token id out of range", _req(prompt="", prompt_token_ids=[1, 10**6]), INVALID, "prompt_token_ids"),
+    ("negative token id", _req(prompt="", prompt_token_ids=[-3]), INVALID, "prompt_token_ids"),
+    ("max_new_tokens 0", _req(max_new_tokens=0), INVALID, "max_new_tokens"),
+    ("max_new_tokens negative", _req(max_new_tokens=-5), INVALID, "max_new_tokens"),
+    ("max_new_tokens beyond limit", _req(max_new_tokens=10**6), INVALID, "max_new_tokens"),
+    ("negative temperature", _req(temperature=-0.5), INVALID, "temperature"),
+    ("NaN temperature", _req(temperature=float("nan")), INVALID, "temperature"),
+    ("infinite temperature", _req(temperature=float("inf")), INVALID, "temperature"),
+    ("top_p zero", _req(top_p=0.0), INVALID, "top_p"),
+    ("top_p above one", _req(top_p=1.5), INVALID, "top_p"),
+    ("NaN top_p", _req(top_p=float("nan")), INVALID, "top_p"),
+    ("negative top_k", _req(top_k=-1), INVALID, "top_k"),
+    ("gamma negative", _req(num_speculative_tokens=-1), INVALID, "num_speculative_tokens"),
+    ("gamma too large", _req(num_speculative_tokens=99), INVALID, "num_speculative_tokens"),
+    ("malformed session id", _req(session_id="bad id with spaces"), INVALID, "session_id"),
+    ("unknown session", _req(session_id="0123456789abcdef"), grpc.StatusCode.NOT_FOUND, "does not exist"),
+    ("too many stop strings", _req(stop=["x"] * 40), INVALID, "stop strings"),
+]
+
+
+@pytest.mark.parametrize("name,req,code,words", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_bad_request_is_refused_clearly(local_stack, name, req, code, words, method):
+    stub = api(local_stack.orchestrator_address)
+    with pytest.raises(grpc.RpcError) as err:
+        if method == "Generate":
+            stub.Generate(req, timeout=30)
+        else:
+            list(stub.GenerateStream(req, timeout=30))
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details()
+
+
+def test_invalid_utf8_is_invalid_argument(local_stack):
+    channel = grpc.insecure_channel(local_stack.orchestrator_address)
+    raw = channel.unary_unary("/specdec.v1.Orchestrator/Generate")
+    payload = b"\x0a\x03\xff\xfe\xfd\x18\x08"  # prompt = invalid UTF-8 bytes, max_new_tokens = 8
+    with pytest.raises(grpc.RpcError) as err:
+        raw(payload, timeout=30)
+    assert err.value.code() == INVALID
+    assert "UTF-8" in err.value.details()
+
+
+def test_oversized_message_is_resource_exhausted(local_stack):
+    stub = api(local_stack.orchestrator_address)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(_req(prompt="y" * (20 * 2**20)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_server_keeps_serving_after_bad_input(local_stack):
+    r = api(local_stack.orchestrator_address).Generate(request("def ok():\n", 4, 0.0), timeout=60)
+    assert len(r.token_ids) == 4

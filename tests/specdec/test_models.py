@@ -1,0 +1,47 @@
+"""Loading models: device and dtype choice, and refusal of a mismatched pair."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdec.models import ModelLoadError, check_pair, load_model, pick_device, pick_dtype
+
+
+def test_bundled_pair_is_accepted(bundled_paths):
+    check_pair(*bundled_paths)
+
+
+def test_pair_with_a_different_vocabulary_is_refused(bundled_paths, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(bundled_paths[0], draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelLoadError, match="do not share a vocabulary"):
+        check_pair(draft, bundled_paths[1])
+
+
+def test_pair_with_a_different_output_size_is_refused(bundled_paths, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(bundled_paths[0], draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["vocab_size"] += 64
+    (draft / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="output logits"):
+        check_pair(draft, bundled_paths[1])
+
+
+def test_device_and_dtype_defaults():
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ModelLoadError):
+        pick_dtype("float8", torch.device("cpu"))
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_model(tmp_path / "nothing-here", torch.device("cpu"), torch.float32)
