@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import sampling
-from specdec.errors import InvalidRequest, SpecDecError
+from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.sessions import CacheRef, SessionTable
 from specdec.wire import quantize
@@ -48,10 +48,13 @@ class DraftEngine:
         t0 = time.perf_counter()
         results: list[Proposal | SpecDecError | None] = [None] * len(jobs)
         busy = {j.ref.session_id for j in jobs}
+        last = {j.ref.session_id: i for i, j in enumerate(jobs)}
         live: list[int] = []
         caches = {}
         for i, job in enumerate(jobs):
             try:
+                if last[job.ref.session_id] != i:  # a pre-draft the orchestrator gave up on
+                    raise CacheMismatch(f"session {job.ref.session_id}: superseded by a newer proposal")
                 if not 1 <= job.gamma <= MAX_GAMMA:
                     raise InvalidRequest(f"num_tokens (γ) must lie in 1..{MAX_GAMMA}, got {job.gamma}")
                 if not job.ref.tokens:

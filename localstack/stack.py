@@ -72,6 +72,9 @@ class LocalStack:
     quiet: bool = True
     extra_env: dict = field(default_factory=dict)
     redis_port: int = 0
+    # channel credentials for the health checks when the servers run TLS (mutual TLS:
+    # include a client certificate the replicas trust)
+    health_credentials: grpc.ChannelCredentials | None = None
     redis_proc: subprocess.Popen | None = None
     replicas: list[Replica] = field(default_factory=list)
     orchestrators: list[Replica] = field(default_factory=list)
@@ -130,7 +133,7 @@ class LocalStack:
         rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}"))
         self.replicas.append(rep)
         if wait:
-            wait_serving(rep.address, proc=rep.proc, timeout=120)
+            wait_serving(rep.address, proc=rep.proc, timeout=120, credentials=self.health_credentials)
         return rep
 
     def start_orchestrator(self, port: int = 0, wait: bool = True, extra: list[str] = ()) -> Replica:
@@ -140,7 +143,7 @@ class LocalStack:
         rep = Replica("orchestrator", port, self._spawn(args, f"orchestrator-{port}"))
         self.orchestrators.append(rep)
         if wait:
-            wait_serving(rep.address, proc=rep.proc, timeout=120)
+            wait_serving(rep.address, proc=rep.proc, timeout=120, credentials=self.health_credentials)
         return rep
 
     def wait_registered(self, drafts: int, targets: int, timeout: float = 30.0) -> None:
@@ -163,7 +166,7 @@ class LocalStack:
         for _ in range(drafts):
             self.start_replica("draft", wait=False)
         for rep in self.replicas:
-            wait_serving(rep.address, proc=rep.proc, timeout=120)
+            wait_serving(rep.address, proc=rep.proc, timeout=120, credentials=self.health_credentials)
         for _ in range(orchestrators):
             self.start_orchestrator()
         self.wait_registered(drafts, targets)

@@ -11,6 +11,12 @@ sessions, each extra token a session sends delays the whole batch, so the per-to
 verify cost is scaled by the observed batch size: γ shrinks as the target saturates and
 reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
 A session at γ = 0 probes with a short draft now and then so its α stays current.
+
+Reproducibility: which token a seeded sample yields depends on where round boundaries
+fall, so a request that fixes its seed at temperature > 0 gets a *deterministic* policy:
+its own α estimate (a function of its own tokens) against the fixed reference costs
+below instead of the measured, load-dependent ones. Its output law is the target's
+either way; this only makes the same seeded request give the same tokens.
 """
 from __future__ import annotations
 
@@ -68,6 +74,9 @@ class CostModel:
         return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0) + verify
 
 
+REFERENCE = None  # set below: the cost model a deterministic policy uses
+
+
 @dataclass
 class SessionPolicy:
     fixed: int | None = None  # num_speculative_tokens from the request
@@ -75,6 +84,7 @@ class SessionPolicy:
     trials: float = 4.0
     rounds_at_zero: int = 0
     max_gamma: int = MAX_GAMMA
+    deterministic: bool = False  # seeded sampling: ignore measured costs
 
     @property
     def alpha(self) -> float:
@@ -90,6 +100,8 @@ class SessionPolicy:
     def choose(self, costs: CostModel) -> int:
         if self.fixed is not None:
             return self.fixed
+        if self.deterministic:
+            costs = REFERENCE
         best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(self.alpha, g) / costs.round_ms(g))
         if best == 0:
             self.rounds_at_zero += 1
@@ -98,3 +110,18 @@ class SessionPolicy:
         else:
             self.rounds_at_zero = 0
         return best
+
+
+def _reference() -> CostModel:
+    """A target step of 10 units, a draft step of 1 (c = 0.1), verification of γ extra tokens
+    at 30% of a step each: the shape measured on the bundled pair, at batch 1."""
+    ref = CostModel()
+    ref.draft_call.update(0.5)
+    ref.draft_step.update(1.0)
+    ref.verify_base.update(10.0)
+    ref.verify_token.update(0.3)
+    ref.batch.update(1.0)
+    return ref
+
+
+REFERENCE = _reference()

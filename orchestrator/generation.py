@@ -20,17 +20,14 @@ from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.text import TextStream
 from specdec import metrics, rounds
-from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
+from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, SpecDecError, Unavailable  # noqa: F401
 from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle, SessionStore
+from specdec.wire import EncodedDistributions, drop_first_rows
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
-
-
-class DeadlineExceeded(SpecDecError):
-    pass
 
 
 @dataclass
@@ -42,6 +39,7 @@ class GenerationRequest:
     session_id: str = ""
     gamma: int | None = None  # None: adaptive
     keep_session: bool = False
+    seeded: bool = False  # the client chose the seed: its output must be reproducible
 
 
 @dataclass
@@ -57,6 +55,7 @@ class Stats:
     failovers: int = 0
     gamma_sum: int = 0
     wire_bytes: int = 0
+    overlap_hits: int = 0
 
 
 @dataclass
@@ -77,7 +76,7 @@ Emit = Callable[[str, list[int]], Awaitable[None]]
 
 class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
-                 costs: CostModel | None = None, call_timeout: float = 30.0) -> None:
+                 costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -85,6 +84,7 @@ class Generator:
         self.max_len = max_len
         self.costs = costs or CostModel()
         self.call_timeout = call_timeout
+        self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
@@ -200,17 +200,57 @@ class Generator:
             raise Overloaded(f"{kind} replica {address} is full: {exc.details()}")
         raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")
 
+    # ----------------------------------------------------------------- overlapped drafting
+    async def _predraft(self, handle, start, last_draft, gamma, params_pb, deadline, stats):
+        """While the target verifies round k, draft round k+1 as if round k were accepted in
+        full: feed the last draft token, guess the bonus token, and draft γ more after it.
+        One attempt; any failure just means no pre-draft."""
+        request = replica_pb2.ProposeRequest(
+            cache=replica_pb2.CacheRef(session_id=handle.session_id, epoch=handle.epoch, start=start,
+                                       tokens=[last_draft]),
+            num_tokens=gamma + 1, sampling=params_pb)
+        try:
+            resp = await self.pools.draft(handle.draft_replica).Propose(request, timeout=self._timeout(deadline))
+        except (grpc.aio.AioRpcError, DeadlineExceeded):
+            return None
+        stats.wire_bytes += resp.ByteSize()
+        return resp
+
+    async def _take_predraft(self, ahead: asyncio.Task, verdict, gamma: int, stats: "Stats"):
+        """Keep the pre-draft only if round k was accepted in full and its bonus token is the
+        one the draft guessed; the rest was drafted on exactly the committed prefix, with the
+        same per-position randomness, so it is the draft the next round would have made."""
+        metrics.OVERLAP.labels("attempt").inc()
+        if verdict.accepted < gamma:
+            ahead.cancel()
+            return None
+        spec = await ahead
+        if spec is None or not spec.draft_tokens or spec.draft_tokens[0] != verdict.next_token:
+            return None
+        metrics.OVERLAP.labels("hit").inc()
+        stats.overlap_hits += 1
+        d = spec.distributions
+        enc = drop_first_rows(EncodedDistributions(d.vocab_size, d.sparse, d.dense_fp16, d.sparse_ids_int32,
+                                                   d.sparse_probs_fp16, tuple(d.row_lengths)), 1)
+        dists = replica_pb2.DraftDistributions(vocab_size=enc.vocab_size, sparse=enc.sparse,
+                                               dense_fp16=enc.dense_fp16, sparse_ids_int32=enc.sparse_ids_int32,
+                                               sparse_probs_fp16=enc.sparse_probs_fp16, row_lengths=enc.row_lengths)
+        tokens = list(spec.draft_tokens[1:])
+        return tokens, dists, len(tokens)
+
     # ----------------------------------------------------------------- the loop
     async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
         t_start = time.perf_counter()
         owner = f"{id(self)}:{random.getrandbits(32)}"
         handle = await self._open(req, owner)
-        stats, policy = Stats(), SessionPolicy(fixed=req.gamma)
+        stats = Stats()
+        policy = SessionPolicy(fixed=req.gamma, deterministic=req.seeded and req.params.temperature > 0)
         text = TextStream(self.tokenizer, req.stop)
         p = req.params
         params_pb = replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
         prompt_len, generated, reason = len(handle.committed), [], "length"
         last_draft_probe = time.monotonic()
+        pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         metrics.ACTIVE_SESSIONS.inc()
         try:
             while len(generated) < req.max_new_tokens:
@@ -222,16 +262,34 @@ class Generator:
                     last_draft_probe = time.monotonic()  # a draft may have come back
                     handle.draft_replica = await self.pools.pick("draft") or ""
                     handle.cursor.draft_len = 0
-                want = policy.choose(self.costs) if handle.draft_replica else 0
-                gamma = rounds.plan_gamma(want, req.max_new_tokens - len(generated), m, self.max_len)
-                draft_tokens, dists = [], None
-                if gamma > 0:
-                    prop = await self._propose(handle, gamma, params_pb, deadline, stats)
-                    if prop is None:
-                        gamma = 0
-                    else:
-                        draft_tokens, dists = list(prop.draft_tokens), prop.distributions
-                verdict = await self._verify(handle, draft_tokens, dists, params_pb, deadline, stats)
+                remaining = req.max_new_tokens - len(generated)
+                if pre is not None:  # the pre-drafted continuation of a fully accepted round
+                    draft_tokens, dists, gamma = pre
+                    pre = None
+                else:
+                    want = policy.choose(self.costs) if handle.draft_replica else 0
+                    gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
+                    draft_tokens, dists = [], None
+                    if gamma > 0:
+                        prop = await self._propose(handle, gamma, params_pb, deadline, stats)
+                        if prop is None:
+                            gamma = 0
+                        else:
+                            draft_tokens, dists = list(prop.draft_tokens), prop.distributions
+                ahead = None
+                if self.overlap and policy.fixed is None and gamma > 0 and handle.draft_replica:
+                    g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
+                    if g2 > 0:
+                        ahead = asyncio.create_task(self._predraft(handle, m + gamma - 1, draft_tokens[-1], g2,
+                                                                   params_pb, deadline, stats))
+                try:
+                    verdict = await self._verify(handle, draft_tokens, dists, params_pb, deadline, stats)
+                except BaseException:
+                    if ahead is not None:
+                        ahead.cancel()
+                    raise
+                if ahead is not None:
+                    pre = await self._take_predraft(ahead, verdict, gamma, stats)
                 new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
                 out_text, kept = text.push(new)
                 if self.eos_id is not None and self.eos_id in new[:kept]:

@@ -23,10 +23,12 @@ CACHE_LOST = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 class PoolClients:
     def __init__(self, registry: Registry, draft_pool: str = "draft", target_pool: str = "target",
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
-                 avoid_seconds: float = 10.0, registry_cache_seconds: float = 0.5) -> None:
+                 avoid_seconds: float = 10.0, registry_cache_seconds: float = 0.5,
+                 tls_server_name: str | None = None) -> None:
         self.registry = registry
         self.pools = {"draft": draft_pool, "target": target_pool}
         self.creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+        self.options = channel_options(tls_server_name if self.creds else None)
         self.avoid_seconds = avoid_seconds
         self.cache_seconds = registry_cache_seconds
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -37,8 +39,8 @@ class PoolClients:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = (grpc.aio.secure_channel(address, self.creds, options=channel_options()) if self.creds
-                  else grpc.aio.insecure_channel(address, options=channel_options()))
+            ch = (grpc.aio.secure_channel(address, self.creds, options=self.options) if self.creds
+                  else grpc.aio.insecure_channel(address, options=self.options))
             self._channels[address] = ch
         return ch
 

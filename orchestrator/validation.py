@@ -58,4 +58,4 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                             seed=seed)
     return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
-                             keep_session=pb.keep_session)
+                             keep_session=pb.keep_session, seeded=pb.HasField("seed"))

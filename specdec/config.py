@@ -60,7 +60,13 @@ def setup_logging(level: str) -> None:
 
 def redis_client(url: str, password_file: str | None):
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError
 
     password = read_secret(password_file) or env("REDIS_PASSWORD")
+    # one quick retry on a fresh connection: after a Redis restart the pooled connections
+    # are dead, and the first command on each would otherwise fail although Redis is back
+    retry = Retry(ExponentialBackoff(cap=0.1, base=0.02), 1, supported_errors=(ConnectionError,))
     return aioredis.from_url(url, password=password, socket_connect_timeout=1.0, socket_timeout=2.0,
-                             health_check_interval=10)
+                             health_check_interval=10, retry=retry)

@@ -25,3 +25,7 @@ class Overloaded(SpecDecError):
 
 class Unavailable(SpecDecError):
     """A dependency (a pool, Redis) cannot be reached (UNAVAILABLE)."""
+
+
+class DeadlineExceeded(SpecDecError):
+    """The client's deadline passed before the work was done (DEADLINE_EXCEEDED)."""

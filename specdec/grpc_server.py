@@ -10,7 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.errors import CacheMismatch, InvalidRequest, Overloaded, SessionNotFound, SpecDecError, Unavailable
+from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, SessionNotFound,
+                            SpecDecError, Unavailable)
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -21,6 +22,7 @@ STATUS = {
     CacheMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -52,8 +54,11 @@ def channel_credentials(ca_file: str | None, cert_file: str | None = None, key_f
         certificate_chain=Path(cert_file).read_bytes() if cert_file else None)
 
 
-def channel_options() -> list:
-    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+def channel_options(server_name: str | None = None) -> list:
+    """server_name: the name the pools' certificate holds, when the orchestrator dials pod
+    IPs (ssl_target_name_override)."""
+    extra = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return extra + [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 30000), ("grpc.use_local_subchannel_pool", 1)]
 

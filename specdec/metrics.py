@@ -29,6 +29,7 @@ DRAFTED_AT_POSITION = Counter("specdec_drafted_at_position_total",
 GAMMA = Histogram("specdec_gamma", "Speculation length chosen per round", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
 STAGE_SECONDS = Histogram("specdec_stage_seconds", "Time per round stage", ["stage"], buckets=LATENCY_BUCKETS)
 ACTIVE_SESSIONS = Gauge("specdec_active_generations", "Generations in flight")
+OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hits", ["outcome"])
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
 
 

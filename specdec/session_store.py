@@ -8,7 +8,9 @@ orchestrator can continue the session from the last completed round.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -49,9 +51,10 @@ def _meta(handle: SessionHandle) -> dict:
 
 
 class SessionStore:
-    def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600) -> None:
+    def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600, commit_retry_seconds: float = 5.0) -> None:
         self.redis = client
         self.ttl = ttl_seconds
+        self.commit_retry_seconds = commit_retry_seconds  # rides out a Redis restart mid-stream
 
     @staticmethod
     def new_id() -> str:
@@ -95,17 +98,25 @@ class SessionStore:
         """One round trip: append the round's tokens and record what the caches now hold.
 
         `handle.committed` already includes new_tokens; the stored length guards readers
-        against a partially applied append (MULTI/EXEC makes it atomic anyway)."""
+        against a partially applied append (MULTI/EXEC makes it atomic anyway). Every write
+        is absolute (SETRANGE at an offset, the whole cursor), so a commit may be retried:
+        while Redis restarts the stream waits, with backoff, up to commit_retry_seconds."""
         meta, toks = self._keys(handle.session_id)
-        try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.setrange(toks, 4 * (handle.length - len(new_tokens)), _tokens_bytes(new_tokens))
-                pipe.hset(meta, mapping=_meta(handle))
-                pipe.expire(meta, self.ttl)
-                pipe.expire(toks, self.ttl)
-                await pipe.execute()
-        except RedisError as exc:
-            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        give_up, delay = time.monotonic() + self.commit_retry_seconds, 0.05
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.setrange(toks, 4 * (handle.length - len(new_tokens)), _tokens_bytes(new_tokens))
+                    pipe.hset(meta, mapping=_meta(handle))
+                    pipe.expire(meta, self.ttl)
+                    pipe.expire(toks, self.ttl)
+                    await pipe.execute()
+                return
+            except RedisError as exc:
+                if time.monotonic() + delay > give_up:
+                    raise Unavailable(f"Redis is unavailable: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.5)
 
     async def save(self, handle: SessionHandle) -> None:
         """Rewrite a whole handle (after a prompt is appended or the session is re-homed)."""

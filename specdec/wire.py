@@ -83,3 +83,13 @@ def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "
     if bool((sums <= 0).any()):
         raise WireFormatError("a draft distribution row has no mass")
     return (q / sums).to(device)
+
+
+def drop_first_rows(enc: EncodedDistributions, k: int) -> EncodedDistributions:
+    """The same encoding without its first k rows (a pre-drafted continuation whose first
+    token turned out to be the committed bonus token)."""
+    if enc.sparse:
+        skip = sum(enc.row_lengths[:k])
+        return EncodedDistributions(enc.vocab_size, True, b"", enc.sparse_ids_int32[4 * skip:],
+                                    enc.sparse_probs_fp16[2 * skip:], tuple(enc.row_lengths[k:]))
+    return EncodedDistributions(enc.vocab_size, False, enc.dense_fp16[2 * k * enc.vocab_size:])

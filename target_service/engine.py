@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import sampling
-from specdec.errors import InvalidRequest, SpecDecError
+from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.sessions import CacheRef, SessionTable
 
@@ -61,9 +61,12 @@ class TargetEngine:
         t0 = time.perf_counter()
         results: list[Verdict | SpecDecError | None] = [None] * len(jobs)
         busy = {j.ref.session_id for j in jobs}
+        last = {j.ref.session_id: i for i, j in enumerate(jobs)}
         live, items, resynced = [], [], {}
         for i, job in enumerate(jobs):
             try:
+                if last[job.ref.session_id] != i:
+                    raise CacheMismatch(f"session {job.ref.session_id}: two verifications in one batch")
                 self._check(job)
                 cache, resynced[i] = self.sessions.acquire(job.ref, exact=True, busy=busy)
             except SpecDecError as exc:

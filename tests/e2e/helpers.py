@@ -1,6 +1,8 @@
 """Small clients for the e2e tests: the public API, the replicas' Load reports, Redis."""
 from __future__ import annotations
 
+import threading
+
 import grpc
 import redis
 
@@ -44,3 +46,62 @@ def redis_client(stack) -> redis.Redis:
 def session_keys(stack) -> set[str]:
     keys = redis_client(stack).keys("specdec:session:*")
     return {k.decode().split(":")[2] for k in keys}
+
+
+def session_handles(stack) -> dict[str, dict[str, str]]:
+    """Every session handle in Redis: session id → {"draft": address, "target": address, ...}."""
+    client = redis_client(stack)
+    handles = {}
+    for key in client.keys("specdec:session:*"):
+        parts = key.decode().split(":")
+        if len(parts) == 3:
+            meta = client.hgetall(key)
+            handles[parts[2]] = {k.decode(): v.decode() for k, v in meta.items()}
+    return handles
+
+
+def live_replicas(stack, kind: str) -> list:
+    return [r for r in stack.replicas if r.kind == kind and r.proc.poll() is None]
+
+
+class Streams:
+    """Several GenerateStream calls in threads, so a test can act once each has sent its
+    first chunk and collect every outcome afterwards (tokens and final chunk, or the error)."""
+
+    def __init__(self, stub, requests, timeout: float = 300) -> None:
+        self.results: list = [None] * len(requests)
+        self.calls: list = [None] * len(requests)
+        self.first = [threading.Event() for _ in requests]
+        self.threads = [threading.Thread(target=self._run, args=(i, stub, r, timeout), daemon=True)
+                        for i, r in enumerate(requests)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i, stub, req, timeout) -> None:
+        tokens, last = [], None
+        try:
+            self.calls[i] = stub.GenerateStream(req, timeout=timeout)
+            for chunk in self.calls[i]:
+                tokens.extend(chunk.token_ids)
+                last = chunk
+                self.first[i].set()
+            self.results[i] = (tokens, last)
+        except grpc.RpcError as exc:
+            self.results[i] = exc
+        finally:
+            self.first[i].set()
+
+    def wait_first_chunks(self, timeout: float = 120) -> None:
+        for event in self.first:
+            assert event.wait(timeout), "a stream sent no chunk"
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            if call is not None:
+                call.cancel()
+
+    def join(self, timeout: float = 300) -> list:
+        for t in self.threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a stream did not finish"
+        return self.results

@@ -1,0 +1,255 @@
+"""The side-by-side benchmark of issue 4: `python -m benchmarks.bench` (`make bench`).
+
+One run over held-out prompts (training.corpus.heldout_prompts), greedy and temperature 1:
+
+  (a) HF generate(), target alone, in-process (left-padded batches of c at concurrency c)
+  (b) HF assisted generation with the draft, in-process, γ fixed, one stream
+  (c) our in-process speculative loop (specdec.spec_loop.generate), γ fixed, one stream
+  (d) the distributed pipeline through the public gRPC API, num_speculative_tokens = γ
+  (e) the same with the adaptive policy (num_speculative_tokens unset)
+  (f) the same, target only (num_speculative_tokens = 0)
+
+(d)–(f) run against one LocalStack (real redis-server, one draft and one target replica,
+one orchestrator, as subprocesses) started once after the in-process part, at each
+concurrency c with c concurrent streams; then a γ sweep of (d) at one stream. At
+concurrency c a run has max(prompts, c) requests cycling over the prompts; request i
+carries seed 1000 + i in every system, so (c) and (d) must agree token for token.
+
+How each number is computed:
+- tokens/s, time per output token, acceptance rate, α, accepted length, tokens per target
+  pass, stage times: see benchmarks/runs.py;
+- step costs, the analytic bound and the speedup bound: benchmarks/costs.py. The bound of
+  (a) and (f) is plain decoding; (b) uses the α measured by (c) (same pair, γ, prompts);
+  (e) uses the α measured by (d) in the same mode and concurrency, with its own mean γ;
+  efficiency = measured tokens/s / bound tokens/s;
+- bytes on the wire per round: benchmarks/wire_meter.py (exact protobuf sizes of the
+  internal messages, measured on the in-process run (c); other γ estimated, marked ≈);
+- where (b) and (c) differ by design, see benchmarks/inprocess.py.
+
+All model forwards in this process use --threads torch threads (default 1), as each
+replica of the stack does (LocalStack threads=1): the in-process systems use one core,
+the distributed ones one core for the draft and one for the target.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import report
+from benchmarks.costs import Costs, measure_costs
+from benchmarks.inprocess import build_engines, measure_wire, quiet_transformers, run_hf, run_spec_loop
+from benchmarks.remote import StackClient
+from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_requests
+from specdec.model_runner import ModelRunner
+from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_tokenizer, pick_device, pick_dtype
+
+HERE = Path(__file__).resolve().parent
+FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10}
+QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, help=f"held-out prompts (default {FULL['prompts']})")
+    ap.add_argument("--max-new-tokens", type=int, help=f"new tokens per request (default {FULL['max_new_tokens']})")
+    ap.add_argument("--concurrency", help=f"comma-separated stream counts (default {FULL['concurrency']})")
+    ap.add_argument("--gammas", help=f"γ sweep of (d) at one stream (default {FULL['gammas']})")
+    ap.add_argument("--gamma", type=int, default=4, help="the fixed γ of (b), (c) and (d) (default 4)")
+    ap.add_argument("--modes", default="greedy,t1", help="greedy and/or t1 (temperature 1) (default both)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: {QUICK['prompts']} prompts, {QUICK['max_new_tokens']} tokens, concurrency "
+                         f"{QUICK['concurrency']}, γ sweep {QUICK['gammas']} (explicit options still win)")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the report (default benchmarks/RESULTS.md)")
+    ap.add_argument("--plot", type=Path, help="the PNG (default: speedup.png beside --out)")
+    ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: the bundled draft)")
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: the bundled target)")
+    ap.add_argument("--device", default="auto", help="auto|cpu|cuda, here and in the stack's replicas")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
+    ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")
+    ap.add_argument("--cost-reps", type=int, help="repetitions per timed forward (default 10)")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.concurrency = sorted(set(int_list(args.concurrency)) | {1})
+    args.gammas = sorted(set(int_list(args.gammas)))
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
+    args.plot = args.plot or args.out.with_name("speedup.png")
+    return args
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def describe(r: RunResult) -> str:
+    alpha = f", α {r.alpha:.2f}" if r.alpha is not None else ""
+    gamma = f", γ {r.gamma:.2f}" if r.gamma is not None else ""
+    return (f"({r.system}) {SYSTEMS[r.system]:<28} {MODE_TITLES[r.mode]:<13} c={r.concurrency:<3}"
+            f" {r.tps:8.1f} tok/s, p50 {r.p50:.1f} ms/tok{gamma}{alpha}")
+
+
+# ----------------------------------------------------------------------------- machine
+def machine_info(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        cpu = fields.get("Model name", cpu).strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    info = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    import grpc
+    import transformers
+
+    info["versions"] = f"Python {platform.python_version()}, torch {torch.__version__}, " \
+                       f"transformers {transformers.__version__}, grpcio {grpc.__version__}"
+    return info
+
+
+def model_summary(model, path: str) -> str:
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return f"`{path}`: {cfg.num_hidden_layers} layers × {cfg.hidden_size}, {params / 1e6:.1f} M parameters"
+
+
+# ----------------------------------------------------------------------------- the phases
+def in_process_phase(args, draft_model, target_model, tok, requests_for) -> tuple[list[RunResult], dict]:
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
+    draft, target = build_engines(draft_model, target_model)
+    runs, wire = [], {}
+    for mode in args.modes:
+        for c in args.concurrency:
+            runs.append(run_hf(target_model, requests_for(c), mode, c, args.max_new_tokens, eos, pad))
+            log(describe(runs[-1]))
+        runs.append(run_hf(target_model, requests_for(1), mode, 1, args.max_new_tokens, eos, pad,
+                           assistant=draft_model, gamma=args.gamma))
+        log(describe(runs[-1]))
+        runs.append(run_spec_loop(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma))
+        log(describe(runs[-1]))
+        wire[mode] = measure_wire(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma)
+    return runs, wire
+
+
+async def stack_phase(args, address: str, requests_for) -> tuple[list[RunResult], list[RunResult]]:
+    client = StackClient(address)
+    runs, sweep = [], []
+    try:
+        await client.warm_up(requests_for(1)[0], args.max_new_tokens)
+        for mode in args.modes:
+            for c in args.concurrency:
+                for system, gamma in (("f", 0), ("d", args.gamma), ("e", None)):
+                    runs.append(await client.run(system, requests_for(c), mode, c, args.max_new_tokens, gamma))
+                    log(describe(runs[-1]))
+        for mode in args.modes:
+            for gamma in args.gammas:
+                if gamma == args.gamma:
+                    sweep.append(report.find(runs, "d", mode, 1))
+                    continue
+                sweep.append(await client.run("d", requests_for(1), mode, 1, args.max_new_tokens, gamma))
+                log(describe(sweep[-1]) + " (γ sweep)")
+    finally:
+        await client.close()
+    return runs, sweep
+
+
+def run_stack(args, requests_for) -> tuple[list[RunResult], list[RunResult]]:
+    from localstack.stack import LocalStack
+
+    extra = {} if args.device == "auto" else {"SPECDEC_DEVICE": args.device}
+    stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=args.server_threads, extra_env=extra)
+    t0 = time.perf_counter()
+    try:
+        stack.start()
+        log(f"stack up in {time.perf_counter() - t0:.1f}s (orchestrator {stack.orchestrator_address}, logs in {stack.workdir})")
+        return asyncio.run(stack_phase(args, stack.orchestrator_address, requests_for))
+    finally:
+        stack.stop()
+
+
+# ----------------------------------------------------------------------------- derived numbers
+def attach_bounds(runs: list[RunResult], sweep: list[RunResult], costs: Costs, wire: dict) -> None:
+    for r in runs + sweep:
+        if r.system in ("a", "f"):
+            r.bound_tps = costs.bound_tps(0.0, 0, r.concurrency)
+        elif r.system == "b":
+            ref = report.find(runs, "c", r.mode, 1)
+            r.bound_tps = costs.bound_tps(ref.alpha, r.gamma, 1) if ref and ref.alpha is not None else None
+        elif r.system == "e":
+            ref = report.find(runs, "d", r.mode, r.concurrency)
+            if ref and ref.alpha is not None and r.gamma is not None:
+                r.bound_tps = costs.bound_tps(ref.alpha, r.gamma, r.concurrency)
+        elif r.alpha is not None:
+            r.bound_tps = costs.bound_tps(r.alpha, r.gamma, r.concurrency)
+        model = wire.get(r.mode)
+        if model is None or r.system in ("a", "b", "c"):
+            continue
+        gamma = r.gamma or 0
+        r.wire_bytes = model.bytes_per_round(gamma)
+        exact = r.system == "d" and gamma == round(model.measured_gamma)
+        r.wire_bytes, r.wire_note = (model.measured, "") if exact else (r.wire_bytes, "≈")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    quiet_transformers()
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    dtype = pick_dtype("auto", device)
+    tok = load_tokenizer(args.target)
+    draft_model = load_model(args.draft, device, dtype)
+    target_model = load_model(args.target, device, dtype)
+    from training.corpus import heldout_prompts
+
+    prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
+
+    def requests_for(c: int):
+        return make_requests(prompt_ids, max(len(prompt_ids), c))
+
+    meta = machine_info(device)
+    meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                draft=model_summary(draft_model, args.draft), target=model_summary(target_model, args.target))
+    log(f"measuring step costs (batches {args.concurrency})")
+    costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), args.concurrency,
+                          sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps)
+    log(f"c = {costs.ratio:.3f}: draft step {costs.draft_ms(1):.2f} ms, target step {costs.target_step_ms(1):.2f} ms")
+    runs, wire = in_process_phase(args, draft_model, target_model, tok, requests_for)
+    stack_runs, sweep = run_stack(args, requests_for)
+    runs += stack_runs
+    attach_bounds(runs, sweep, costs, wire)
+    meta["elapsed"] = time.perf_counter() - t_start
+    report.write_results(args.out, args.plot, args, meta, costs, runs, sweep, wire)
+    for check in report.check_targets(runs, args.concurrency):
+        log(f"{check.verdict:>4}  {check.target}: {report.fmt(check.measured)} {check.note}")
+    log(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

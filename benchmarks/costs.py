@@ -1,0 +1,125 @@
+"""What a model step costs, and the analytic bound it implies.
+
+Costs are timed in-process on ModelRunner forwards (the runner the services use), with a
+warm-up and the median of `reps` repetitions, over a `context`-token KV cache per session:
+
+- draft step t_d(B):      the draft, B sessions × 1 new token, logits for that token;
+- target step t_t(B):     the target, B sessions × 1 new token (= verify with γ = 0);
+- verify t_v(γ, B):       the target, B sessions × (γ + 1) new tokens, logits for all of them.
+
+After each timed forward the caches are truncated back to `context`, so every repetition
+sees the same cache length. The cost ratio is c = t_d(1) / t_t(1).
+
+The bound: with per-token acceptance α and γ draft tokens, a round yields on average
+E[n] = (1 − α^(γ+1)) / (1 − α) tokens (Leviathan et al. 2023) and costs, with no overhead
+and drafting and verifying one after the other, γ·t_d(B) + t_v(γ, B). So
+
+    bound tokens/s        = 1000 · B · E[n] / (γ·t_d(B) + t_v(γ, B))
+    speedup bound         = bound tokens/s / (1000 · B / t_t(B))
+                          = E[n] / ((γ·t_d(B) + t_v(γ, B)) / t_t(B))
+
+For γ = 0 the bound is plain decoding, 1000·B / t_t(B). A fractional γ (the adaptive
+policy's mean) interpolates t_v linearly between the measured γ. A pipeline that
+overlaps drafting with verification can exceed this bound (efficiency > 1).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.model_runner import ForwardItem, ModelRunner
+
+
+def expected_tokens(alpha: float, gamma: float) -> float:
+    """E[n] = (1 − α^(γ+1)) / (1 − α): mean tokens per round (accepted + the one new token)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
+
+
+@dataclass
+class Costs:
+    context: int
+    draft_step_ms: dict[int, float] = field(default_factory=dict)  # batch → ms
+    verify_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch → γ → ms
+
+    def _batch(self, batch: int) -> int:
+        """The measured batch size nearest to `batch`."""
+        return min(self.verify_ms, key=lambda b: (abs(b - batch), b))
+
+    def target_step_ms(self, batch: int = 1) -> float:
+        return self.verify_ms[self._batch(batch)][0]
+
+    def draft_ms(self, batch: int = 1) -> float:
+        return self.draft_step_ms[self._batch(batch)]
+
+    @property
+    def ratio(self) -> float:
+        """c = draft step / target step, batch 1."""
+        return self.draft_ms(1) / self.target_step_ms(1)
+
+    def verify(self, gamma: float, batch: int = 1) -> float:
+        table = self.verify_ms[self._batch(batch)]
+        gs = sorted(table)
+        if gamma <= gs[0]:
+            return table[gs[0]]
+        for lo, hi in zip(gs, gs[1:]):
+            if gamma <= hi:
+                w = (gamma - lo) / (hi - lo)
+                return (1 - w) * table[lo] + w * table[hi]
+        lo, hi = gs[-2], gs[-1]  # extrapolate along the last segment
+        return table[hi] + (gamma - hi) * (table[hi] - table[lo]) / (hi - lo)
+
+    def round_ms(self, gamma: float, batch: int = 1) -> float:
+        return gamma * self.draft_ms(batch) + self.verify(gamma, batch) if gamma > 0 else self.target_step_ms(batch)
+
+    def bound_tps(self, alpha: float, gamma: float, batch: int = 1) -> float:
+        e = expected_tokens(alpha, gamma) if gamma > 0 else 1.0
+        return 1000.0 * batch * e / self.round_ms(gamma, batch)
+
+    def speedup_bound(self, alpha: float, gamma: float, batch: int = 1) -> float:
+        return self.bound_tps(alpha, gamma, batch) / self.bound_tps(0.0, 0, batch)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_forward(runner: ModelRunner, caches, n_new: int, context: int, reps: int, gen: torch.Generator) -> float:
+    """Median ms of one forward feeding n_new tokens to every cache (each at `context`)."""
+    times = []
+    for i in range(reps + 2):  # two warm-up forwards
+        items = [ForwardItem(c, torch.randint(runner.vocab_size, (n_new,), generator=gen), n_new) for c in caches]
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.forward(items)
+        _sync(runner.device)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1000)
+        for c in caches:
+            c.truncate(context)
+    return sorted(times)[len(times) // 2]
+
+
+def _prefilled(runner: ModelRunner, batch: int, context: int, gen: torch.Generator) -> list:
+    caches = [runner.new_cache() for _ in range(batch)]
+    runner.forward([ForwardItem(c, torch.randint(runner.vocab_size, (context,), generator=gen), 1) for c in caches])
+    return caches
+
+
+@torch.inference_mode()
+def measure_costs(draft: ModelRunner, target: ModelRunner, batches: list[int], gammas: list[int],
+                  context: int = 64, reps: int = 10, seed: int = 0) -> Costs:
+    """Draft step, target step and verify(γ) at each batch size; see the module docstring."""
+    gen = torch.Generator().manual_seed(seed)
+    costs = Costs(context)
+    for b in sorted(set(batches)):
+        caches = _prefilled(draft, b, context, gen)
+        costs.draft_step_ms[b] = _time_forward(draft, caches, 1, context, reps, gen)
+        caches = _prefilled(target, b, context, gen)
+        costs.verify_ms[b] = {g: _time_forward(target, caches, g + 1, context, reps, gen)
+                              for g in sorted(set(gammas) | {0})}
+    return costs

@@ -1,0 +1,30 @@
+"""Smoke runs of the benchmarks: they run end to end and write their reports. The numbers
+are not asserted (they belong to `make bench`, on a quiet machine)."""
+import pytest
+
+from benchmarks import bench, pair
+
+pytestmark = [pytest.mark.bench, pytest.mark.e2e]
+
+
+def test_bench_quick_writes_the_report_and_the_plot(bundled_paths, tmp_path):
+    out = tmp_path / "RESULTS.md"
+    assert bench.main(["--quick", "--prompts", "2", "--max-new-tokens", "16", "--concurrency", "1,2",
+                       "--gammas", "2,4", "--cost-reps", "2", "--out", str(out)]) == 0
+    text = out.read_text()
+    for header in ("# Benchmark results", "## Targets", "## Step costs", "## greedy, 1 stream",
+                   "## temperature 1, 2 streams", "## γ sweep of (d), one stream", "## Bytes on the wire per round",
+                   "| system | tok/s |", "(e) distributed, adaptive γ", "(b) HF assisted generation"):
+        assert header in text, header
+    png = tmp_path / "speedup.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pair_prints_its_table_and_returns_the_numbers(bundled_paths, capsys):
+    res = pair.run_pair(str(bundled_paths[0]), str(bundled_paths[1]), prompts=2, max_new_tokens=12, cost_reps=2)
+    assert set(res["modes"]) == {"greedy", "t1"}
+    for m in res["modes"].values():
+        assert set(m["tokens_per_s"]) == {"hf_generate", "hf_assisted", "spec_loop"}
+    assert res["cost_ratio"] > 0
+    table = pair.format_table(res)
+    assert "| mode | α |" in table and "HF assisted tok/s" in table

@@ -1,0 +1,128 @@
+"""Replica failure mid-generation: kill -9 of a target or a draft replica in the middle of
+streams, an empty draft pool, an empty target pool.
+
+The tests share one stack of two drafts and two targets and run in file order, each
+leaving fewer replicas for the next (a test run alone starts what it lacks).
+"""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from localstack.stack import LocalStack
+from tests.e2e.helpers import Streams, api, live_replicas, load_report, request, session_handles
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["def parse(line):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef walk(root):\n",
+           "for i in range(10):\n"]
+NEW_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def stack(bundled_paths):
+    stack = LocalStack()
+    stack.start(drafts=2, targets=2)
+    yield stack
+    stack.stop()
+
+
+def ensure(stack, kind: str, count: int) -> None:
+    while len(live_replicas(stack, kind)) < count:
+        stack.start_replica(kind)
+    stack.wait_registered(*((count, 0) if kind == "draft" else (0, count)))
+
+
+def references(stub, prompts=PROMPTS) -> list[list[int]]:
+    """Greedy outputs of an undisturbed run, through the API."""
+    return [list(stub.Generate(request(p, NEW_TOKENS, 0.0), timeout=120).token_ids) for p in prompts]
+
+
+def kill_busiest(stack, streams: Streams, kind: str) -> tuple[str, set[str]]:
+    """Once every stream is under way, SIGKILL the replica of `kind` holding the most of
+    their sessions; → (its address, the sessions it held)."""
+    streams.wait_first_chunks()
+    placed = {sid: h[kind] for sid, h in session_handles(stack).items()}
+    victim = max(live_replicas(stack, kind), key=lambda r: sum(a == r.address for a in placed.values()))
+    stack.kill(victim)
+    return victim.address, {sid for sid, a in placed.items() if a == victim.address}
+
+
+def assert_failover_is_invisible(results, expected, killed: str, affected: set[str], kind: str) -> None:
+    assert affected, "no stream was running on the killed replica: the test proved nothing"
+    for result, want in zip(results, expected):
+        assert not isinstance(result, grpc.RpcError), f"a stream failed: {result.code()} {result.details()}"
+        tokens, last = result
+        assert tokens == want, "the greedy output changed across the failover"
+        if last.session_id in affected:
+            assert last.stats.replica_failovers >= 1
+            assert getattr(last.stats, f"{kind}_replica") != killed
+
+
+def test_target_killed_mid_stream_is_invisible_to_clients(stack):
+    ensure(stack, "target", 2)
+    stub = api(stack.orchestrator_address)
+    expected = references(stub)
+    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
+    killed, affected = kill_busiest(stack, streams, "target")
+    assert_failover_is_invisible(streams.join(), expected, killed, affected, "target")
+
+
+def test_draft_killed_mid_stream_is_invisible_to_clients(stack):
+    ensure(stack, "draft", 2)
+    stub = api(stack.orchestrator_address)
+    expected = references(stub)
+    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
+    killed, affected = kill_busiest(stack, streams, "draft")
+    assert_failover_is_invisible(streams.join(), expected, killed, affected, "draft")
+
+
+def test_empty_draft_pool_falls_back_to_target_only_and_recovers(stack):
+    ensure(stack, "draft", 1)
+    stub = api(stack.orchestrator_address)
+    expected = references(stub)
+    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
+    streams.wait_first_chunks()
+    for rep in live_replicas(stack, "draft"):
+        stack.kill(rep)
+    for result, want in zip(streams.join(), expected):
+        assert not isinstance(result, grpc.RpcError), f"a stream failed: {result.code()} {result.details()}"
+        assert result[0] == want
+    after = stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=120)
+    assert list(after.token_ids) == expected[0]
+    assert after.stats.drafted_tokens == 0 and after.stats.draft_replica == ""
+
+    fresh = stack.start_replica("draft")
+    deadline = time.monotonic() + 10
+    while True:
+        resumed = stub.Generate(request(PROMPTS[1], 24, 0.0), timeout=120)
+        if resumed.stats.drafted_tokens > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert resumed.stats.drafted_tokens > 0, "speculation did not resume with a draft replica back"
+    assert resumed.stats.draft_replica == fresh.address
+    assert list(resumed.token_ids) == expected[1][:24]
+
+
+def test_empty_target_pool_is_unavailable_with_a_clear_message(stack):
+    ensure(stack, "target", 1)
+    stub = api(stack.orchestrator_address)
+    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS[:2]])
+    streams.wait_first_chunks()
+    for rep in live_replicas(stack, "target"):
+        stack.kill(rep)
+    for result in streams.join():
+        assert isinstance(result, grpc.RpcError), "a stream finished with no target replica alive"
+        assert result.code() == grpc.StatusCode.UNAVAILABLE
+        assert "target" in result.details()
+    for call in (lambda r: stub.Generate(r, timeout=30), lambda r: list(stub.GenerateStream(r, timeout=30))):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            call(request(PROMPTS[0], 8, 0.0))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no live target replica" in err.value.details() and "pool 'target'" in err.value.details()
+        assert time.monotonic() - t0 < 5
+    for rep in live_replicas(stack, "draft"):  # the draft pool is untouched and idle again
+        assert load_report(rep.address, "draft").sessions == 0
