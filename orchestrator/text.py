@@ -1,5 +1,10 @@
-"""Incremental detokenization and stop strings, without re-decoding the whole text
-per round: only the generated tokens are decoded, and only new text is emitted."""
+"""Incremental detokenisation and stop strings.
+
+Each token is decoded against a short window of the tokens before it (the prefix/read
+offsets of Hugging Face's TGI), so a round costs a few small decodes however long the
+output is. Text that ends in an incomplete UTF-8 sequence, or that could still grow into a
+stop string, is held back until a later token decides it.
+"""
 from __future__ import annotations
 
 
@@ -8,52 +13,49 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.tokens: list[int] = []
-        self.emitted = 0  # characters of text already sent
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.held = ""  # decoded, not yet emitted
         self.stopped = False
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _next_piece(self) -> str:
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        text = self._decode(self.tokens[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return text[len(prefix):]
+        return ""
 
     def push(self, new_tokens: list[int]) -> tuple[str, int]:
-        """Add tokens; return (text to emit now, how many of new_tokens to keep).
-
-        Text that could still become a stop string, or that ends in an incomplete UTF-8
-        sequence, is held back until the next round decides it."""
-        self.tokens.extend(new_tokens)
-        text = self._text()
-        for s in self.stop:
-            idx = text.find(s, max(0, self.emitted - len(s)))
-            if idx != -1:
-                self.stopped = True
-                keep = self._tokens_covering(idx + len(s), len(new_tokens))
-                out = text[self.emitted: idx]
-                self.emitted = idx
-                return out, keep
-        safe = len(text)
-        if text.endswith("\ufffd"):
-            safe = len(text.rstrip("\ufffd"))
-        for s in self.stop:  # hold back a suffix that is a prefix of a stop string
-            for k in range(min(len(s) - 1, safe - self.emitted), 0, -1):
-                if text[safe - k: safe] == s[:k]:
-                    safe -= k
+        """Add a round's tokens; return (text to emit now, how many of the tokens to keep).
+        After a stop string, the tokens past the one that completed it are dropped."""
+        for i, token in enumerate(new_tokens):
+            self.tokens.append(token)
+            self.held += self._next_piece()
+            for s in self.stop:
+                idx = self.held.find(s)
+                if idx != -1:
+                    self.stopped = True
+                    out, self.held = self.held[:idx], ""
+                    return out, i + 1
+        keep_back = 0
+        for s in self.stop:  # the longest tail of held that starts a stop string
+            for k in range(min(len(s) - 1, len(self.held)), keep_back, -1):
+                if self.held.endswith(s[:k]):
+                    keep_back = k
                     break
-        out = text[self.emitted: safe]
-        self.emitted = safe
+        cut = len(self.held) - keep_back
+        out, self.held = self.held[:cut], self.held[cut:]
         return out, len(new_tokens)
 
     def flush(self) -> str:
+        """At the end: whatever was held back (a partial stop string, a partial character)."""
         if self.stopped:
             return ""
-        text = self._text()
-        out = text[self.emitted:]
-        self.emitted = len(text)
+        rest = self._decode(self.tokens[self.prefix_offset:])[len(self._decode(self.tokens[self.prefix_offset:self.read_offset])):]
+        out, self.held = self.held + rest, ""
+        self.prefix_offset = self.read_offset = len(self.tokens)
         return out
-
-    def _tokens_covering(self, chars: int, n_new: int) -> int:
-        """How many of the newest n_new tokens are needed to produce `chars` characters."""
-        base = len(self.tokens) - n_new
-        for k in range(0, n_new + 1):
-            if len(self.tokenizer.decode(self.tokens[: base + k], skip_special_tokens=True)) >= chars:
-                del self.tokens[base + max(k, 1):]
-                return max(k, 1)
-        return n_new
