@@ -72,7 +72,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     missing = cluster.missing_secrets(api, args.namespace, external) if not args.dry_run else []
     if missing:
         print(f"missing Secrets in namespace {args.namespace}: {', '.join(missing)}", file=sys.stderr)
-        print("create them first (docs/deploy.md, 'Deploy on Kubernetes')", file=sys.stderr)
+        print("create them first (README.md, 'Deploy on Kubernetes')", file=sys.stderr)
         return 2
     cluster.apply_objects(api, objs, dry_run=args.dry_run)
     if args.dry_run or args.no_wait:

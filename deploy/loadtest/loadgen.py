@@ -40,7 +40,7 @@ class CallResult:
 
 
 def speculation_stats(stats) -> dict:
-    """The GenerationStats fields that capacity planning needs (docs/deploy.md)."""
+    """The GenerationStats fields that capacity planning needs (README.md)."""
     return {
         "rounds": stats.rounds,
         "drafted_tokens": stats.drafted_tokens,
@@ -219,7 +219,7 @@ def summarize(results: list[CallResult], total_s: float, name: str = "") -> dict
 
 
 def summarize_speculation(stats: list[dict]) -> dict:
-    """Per-round averages over all calls: the inputs of the capacity formula (docs/deploy.md)."""
+    """Per-round averages over all calls: the inputs of the capacity formula (README.md)."""
     total = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else {}
     rounds = total.get("rounds", 0)
     if not rounds:

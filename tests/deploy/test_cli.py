@@ -175,12 +175,12 @@ def test_wait_for_rollouts_times_out(monkeypatch):
 
 
 def test_docs_name_only_files_that_exist():
-    text = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    text = (REPO_ROOT / "README.md").read_text()
     paths = set(re.findall(r"\bdeploy/[\w./-]+\.(?:json|py|yaml|sh)\b", text))
     paths |= {p.replace("$c", str(c)) for p in re.findall(r"deploy/loadtest/ghz/[\w$-]+\.json", text)
               for c in (1, 4, 16)}
     paths = {p for p in paths if "$" not in p}
-    assert paths, "expected file references in docs/deploy.md"
+    assert paths, "expected file references in README.md"
     for path in sorted(paths):
         assert (REPO_ROOT / path).exists(), path
     for heading in ("## Deploy on Kubernetes", "## Load test with ghz", "## Capacity planning"):
