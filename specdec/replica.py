@@ -50,7 +50,11 @@ class ReplicaHost:
         metrics.REPLICA_CACHE_BYTES.labels(self.pool).set(self.engine.sessions.cache_bytes)
 
     def info(self) -> ReplicaInfo:
+        """The load this replica reports to the registry (every heartbeat); the gauges too."""
         s = self.engine.sessions
+        metrics.REPLICA_SESSIONS.labels(self.pool).set(len(s))
+        metrics.REPLICA_CACHE_BYTES.labels(self.pool).set(s.cache_bytes)
+        metrics.REPLICA_QUEUE.labels(self.pool).set(self.batcher.queue_length)
         return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
                            queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,
                            model=str(self.args.model), vocab_size=self.engine.runner.vocab_size)

@@ -1,0 +1,43 @@
+"""Prometheus metrics are exported by the orchestrator and the replicas."""
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from localstack.stack import free_port
+from tests.e2e.helpers import api, request
+
+pytestmark = pytest.mark.e2e
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_count_rounds_acceptance_and_cache(local_stack):
+    orch_port, target_port = free_port(), free_port()
+    orch = local_stack.start_orchestrator(extra=["--metrics-port", str(orch_port)])
+    target = local_stack.start_replica("target", extra=["--metrics-port", str(target_port)])
+    try:
+        r = api(orch.address).Generate(request("def area(r):\n", 24, 0.0, gamma=4), timeout=120)
+        m = scrape(orch_port)
+        assert m["specdec_rounds_total"] >= r.stats.rounds
+        assert m["specdec_drafted_tokens_total"] >= r.stats.drafted_tokens > 0
+        assert m['specdec_drafted_at_position_total{position="0"}'] >= 1
+        assert 'specdec_requests_total{code="OK",method="Generate"}' in m
+        assert m["specdec_gamma_count"] >= r.stats.rounds
+        assert "specdec_stage_seconds_bucket{le=\"0.01\",stage=\"verify\"}" in m
+        replica = scrape(target_port)
+        assert replica['specdec_replica_sessions{pool="target"}'] >= 0
+        assert 'specdec_replica_queue_length{pool="target"}' in replica
+    finally:
+        for rep, group in ((orch, local_stack.orchestrators), (target, local_stack.replicas)):
+            local_stack.kill(rep, sig=15)
+            group.remove(rep)
