@@ -6,10 +6,11 @@ rounds themselves. γ maximises expected tokens per unit of time,
 
     E(γ) / (D(γ) + V(γ)),  E(γ) = (1 − α^(γ+1)) / (1 − α),
 
-with D(γ) the draft call's time and V(γ) the verify call's. When the target batches many
-sessions, each extra token a session sends delays the whole batch, so the per-token
-verify cost is scaled by the observed batch size: γ shrinks as the target saturates and
-reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
+with D(γ) the draft call's time and V(γ) the verify call's, both measured on the rounds
+themselves (prefill rounds excluded). When the target batches many sessions, the verify
+time of a round grows with every session's draft tokens, so the measured per-token cost
+rises with load: γ shrinks as the target saturates and reaches 0 (no speculation) when
+drafting no longer pays, and grows again as load falls.
 A session at γ = 0 probes with a short draft now and then so its α stays current.
 
 Reproducibility: which token a seeded sample yields depends on where round boundaries
@@ -68,7 +69,7 @@ class CostModel:
             self.verify_token.update(max(0.0, (ms - base) / gamma))
 
     def round_ms(self, gamma: int) -> float:
-        verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5) * max(1.0, self.batch.get(1.0))
+        verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
         if gamma == 0:
             return verify
         return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0) + verify

@@ -20,7 +20,7 @@ from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.text import TextStream
 from specdec import metrics, rounds
-from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, SpecDecError, Unavailable  # noqa: F401
+from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
 from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle, SessionStore
@@ -140,7 +140,8 @@ class Generator:
             stats.draft_ms += ms
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += resp.ByteSize()
-            self.costs.observe_draft(gamma, ms)
+            if len(ref.tokens) <= 2:  # steady state only: a prefill is no measure of a round
+                self.costs.observe_draft(gamma, ms)
             metrics.STAGE_SECONDS.labels("draft").observe(ms / 1000)
             return resp
         return None
@@ -165,7 +166,8 @@ class Generator:
             stats.verify_ms += ms
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += request.ByteSize() + resp.ByteSize()
-            self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size)
+            if len(ref.tokens) <= 2 and not resp.resynced:
+                self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size)
             metrics.STAGE_SECONDS.labels("verify").observe(ms / 1000)
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
@@ -313,7 +315,9 @@ class Generator:
                 await emit(tail, [])
         finally:
             metrics.ACTIVE_SESSIONS.dec()
-            await self._close(handle, req, owner)
+            # shielded: a second cancellation (the server's deadline firing while the loop
+            # winds down) must not cut the release of the caches short
+            await asyncio.shield(self._close(handle, req, owner))
         metrics.TOKENS.inc(len(generated))
         return Outcome(handle.session_id, generated, reason, stats, prompt_len, p.seed, handle.draft_replica,
                        handle.target_replica, (time.perf_counter() - t_start) * 1000)
