@@ -42,6 +42,9 @@ test-fast: setup  ## tests without the slow end-to-end ones
 bench: setup  ## side-by-side benchmark; writes benchmarks/RESULTS.md and a plot
 	$(PY) -m benchmarks.bench
 
+bench-smoke: setup  ## the benchmark's smoke run (as in make test)
+	$(PY) -m pytest -q -m bench tests/benchmarks
+
 models: venv  ## retrain the bundled pair (about 45 minutes on 2 cores)
 	$(PY) -m training --out models
 

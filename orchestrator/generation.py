@@ -56,6 +56,7 @@ class Stats:
     gamma_sum: int = 0
     wire_bytes: int = 0
     overlap_hits: int = 0
+    rejections: int = 0
 
 
 @dataclass
@@ -327,6 +328,7 @@ class Generator:
         stats.target_passes += 1
         stats.drafted += gamma
         stats.accepted += accepted
+        stats.rejections += int(accepted < gamma)
         stats.gamma_sum += gamma
         policy.observe(gamma, accepted)
         metrics.ROUNDS.inc()

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import DeadlineExceeded, Generator, Outcome
 from orchestrator.pools import PoolClients
-from orchestrator.validation import validate
+from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
 from specdec.config import add_common_args, env, read_secret, redis_client, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError
@@ -39,6 +39,7 @@ def stats_pb(out: Outcome) -> pb.GenerationStats:
         prompt_tokens=out.prompt_tokens, generated_tokens=len(out.tokens), seed=out.seed,
         draft_replica=out.draft_replica, target_replica=out.target_replica,
         mean_gamma=s.gamma_sum / s.rounds if s.rounds else 0.0, replica_failovers=s.failovers,
+        wire_bytes=s.wire_bytes, overlap_hits=s.overlap_hits, rounds_rejected=s.rejections,
         times=pb.StageTimes(draft_ms=s.draft_ms, verify_ms=s.verify_ms, redis_ms=s.redis_ms,
                             network_ms=s.network_ms, total_ms=out.total_ms))
 
@@ -144,8 +145,12 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     async def EndSession(self, request, context):
         try:
+            if isinstance(request, _BadMessage):
+                raise InvalidRequest(f"the request is not a valid EndSessionRequest: {request.error}")
             if not request.session_id:
                 raise InvalidRequest("session_id is required")
+            if not SESSION_ID.match(request.session_id):
+                raise InvalidRequest("session_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
             handle = await self.gen.store.load(request.session_id)
             await self.gen.release(handle)
         except SpecDecError as exc:
@@ -155,7 +160,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
 def add_servicer(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
     """Like the generated add_OrchestratorServicer_to_server, but a request that does not
-    parse reaches the servicer (which answers INVALID_ARGUMENT) instead of failing as INTERNAL."""
+    parse reaches the servicer (which answers INVALID_ARGUMENT) instead of failing as UNKNOWN."""
     parse = _lenient(pb.GenerateRequest.FromString)
     handlers = {
         "Generate": grpc.unary_unary_rpc_method_handler(
@@ -165,7 +170,7 @@ def add_servicer(servicer: OrchestratorServicer, server: grpc.aio.Server) -> Non
             servicer.GenerateStream, request_deserializer=parse,
             response_serializer=pb.GenerateStreamResponse.SerializeToString),
         "EndSession": grpc.unary_unary_rpc_method_handler(
-            servicer.EndSession, request_deserializer=pb.EndSessionRequest.FromString,
+            servicer.EndSession, request_deserializer=_lenient(pb.EndSessionRequest.FromString),
             response_serializer=pb.EndSessionResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

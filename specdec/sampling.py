@@ -22,6 +22,7 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESAMPLE = 1, 2, 3
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # the T → 0 limit; logits divided by a smaller T overflow float32 (NaN probabilities)
+        return self.temperature < GREEDY_BELOW
 
     @property
     def truncates(self) -> bool:
