@@ -28,6 +28,7 @@ from specdec.wire import EncodedDistributions, drop_first_rows
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
+OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this
 
 
 @dataclass
@@ -280,7 +281,10 @@ class Generator:
                         else:
                             draft_tokens, dists = list(prop.draft_tokens), prop.distributions
                 ahead = None
-                if self.overlap and policy.fixed is None and gamma > 0 and handle.draft_replica:
+                # a pre-draft pays only when the round is likely to be accepted in full with the
+                # bonus guessed right (≈ α^(γ+1)); otherwise it is draft work thrown away
+                if (self.overlap and policy.fixed is None and gamma > 0 and handle.draft_replica
+                        and policy.alpha ** (gamma + 1) >= OVERLAP_MIN_HIT):
                     g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
                     if g2 > 0:
                         ahead = asyncio.create_task(self._predraft(handle, m + gamma - 1, draft_tokens[-1], g2,
