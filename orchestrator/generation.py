@@ -78,7 +78,8 @@ Emit = Callable[[str, list[int]], Awaitable[None]]
 
 class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
-                 costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True) -> None:
+                 costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
+                 overlap_min_hit: float = OVERLAP_MIN_HIT) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -87,6 +88,7 @@ class Generator:
         self.costs = costs or CostModel()
         self.call_timeout = call_timeout
         self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
+        self.overlap_min_hit = overlap_min_hit
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
@@ -284,7 +286,7 @@ class Generator:
                 # a pre-draft pays only when the round is likely to be accepted in full with the
                 # bonus guessed right (≈ α^(γ+1)); otherwise it is draft work thrown away
                 if (self.overlap and policy.fixed is None and gamma > 0 and handle.draft_replica
-                        and policy.alpha ** (gamma + 1) >= OVERLAP_MIN_HIT):
+                        and policy.alpha ** (gamma + 1) >= self.overlap_min_hit):
                     g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
                     if g2 > 0:
                         ahead = asyncio.create_task(self._predraft(handle, m + gamma - 1, draft_tokens[-1], g2,

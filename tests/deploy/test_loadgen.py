@@ -1,139 +1,182 @@
 """The load generator and reflection-only calls.
 
-Most tests run against a small fake Orchestrator in this process (fast, no models);
-the e2e ones run against the real local stack (fixture local_stack, tests/conftest.py).
+Every call goes to the real local stack (fixture local_stack, tests/conftest.py): Redis, a
+draft and a target replica with the bundled models, and the orchestrator, on loopback. For
+the token test a second orchestrator process (--api-token-file) joins the stack for the
+duration of this module. Only the pure checks of loadgen's helpers and of the ghz configs
+run without a server.
+
+Calls are kept tiny (a few tokens, a few calls) so the file stays quick on a small machine.
+Greedy decoding with a fixed gamma is deterministic, so one direct call (fixture
+`reference`) tells how many tokens, rounds and drafted/accepted tokens each load call
+must report.
 """
 from __future__ import annotations
 
+import asyncio
 import json
-import time
-from concurrent import futures
+import signal
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from google.protobuf import json_format
-from grpc_reflection.v1alpha import reflection
 
 from deploy.loadtest import loadgen
 from deploy.loadtest.reflection import aio_callable, reflect_method
+from localstack.stack import wait_serving
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 TOKEN = "test-token"
-
-
-class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
-    """Answers max_new_tokens tokens after `delay_s`; prompt "fail" is refused."""
-
-    def __init__(self, delay_s: float = 0.01, token: str | None = None):
-        self.delay_s, self.token = delay_s, token
-
-    def _check(self, request, context):
-        if self.token and dict(context.invocation_metadata()).get("authorization") != f"Bearer {self.token}":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        if request.prompt == "fail":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt refused")
-        time.sleep(self.delay_s)
-
-    def _stats(self, n: int) -> orchestrator_pb2.GenerationStats:
-        # n tokens in ceil(n / 2) rounds of gamma 2, one draft token accepted per round
-        rounds = (n + 1) // 2
-        return orchestrator_pb2.GenerationStats(
-            generated_tokens=n, rounds=rounds, drafted_tokens=2 * rounds, accepted_tokens=rounds,
-            target_forward_passes=rounds, acceptance_rate=0.5, mean_gamma=2.0,
-            times=orchestrator_pb2.StageTimes(draft_ms=3.0 * rounds, verify_ms=5.0 * rounds, network_ms=rounds))
-
-    def Generate(self, request, context):
-        self._check(request, context)
-        n = request.max_new_tokens
-        return orchestrator_pb2.GenerateResponse(
-            text="x" * n, token_ids=list(range(n)), finish_reason=orchestrator_pb2.FINISH_REASON_LENGTH,
-            stats=self._stats(n))
-
-    def GenerateStream(self, request, context):
-        self._check(request, context)
-        n = request.max_new_tokens
-        for i in range(n - 1):
-            yield orchestrator_pb2.GenerateStreamResponse(text="x", token_ids=[i])
-        yield orchestrator_pb2.GenerateStreamResponse(
-            text="x", token_ids=[n - 1], finish_reason=orchestrator_pb2.FINISH_REASON_LENGTH, stats=self._stats(n))
-
-
-def start_fake(servicer: FakeOrchestrator) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    service = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
-    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
+PROMPT = "The quick brown fox"  # loadgen's default prompt
+MAX_NEW = 8  # the most tokens any call below asks for
+GAMMA = 2
 
 
 @pytest.fixture(scope="module")
-def fake():
-    server, address = start_fake(FakeOrchestrator())
-    yield address
-    server.stop(None)
+def secured_spawn(local_stack, tmp_path_factory):
+    """A second orchestrator that requires the bearer token TOKEN (--api-token-file), started
+    without waiting: its start-up (seconds of imports) overlaps the tests that run before the
+    token test. Stopped (SIGTERM) and dropped from the shared stack when the module ends."""
+    token_file = tmp_path_factory.mktemp("auth") / "api-token"
+    token_file.write_text(TOKEN + "\n")
+    rep = local_stack.start_orchestrator(wait=False, extra=["--api-token-file", str(token_file)])
+    try:
+        yield rep, token_file
+    finally:
+        local_stack.kill(rep, sig=signal.SIGTERM)
+        local_stack.orchestrators.remove(rep)
 
 
 @pytest.fixture(scope="module")
-def fake_with_token():
-    server, address = start_fake(FakeOrchestrator(token=TOKEN))
-    yield address
-    server.stop(None)
+def target(local_stack, secured_spawn) -> str:
+    """The stack's orchestrator (requesting secured_spawn here only starts the second one early)."""
+    return local_stack.orchestrator_address
 
 
-def test_every_call_is_counted_and_summarised(fake):
-    s = loadgen.run_load(target=fake, concurrency=3, total=12, max_new_tokens=5, temperature=0.0)
-    assert s["count"] == 12 and s["status_codes"] == {"OK": 12} and s["error_count"] == 0
-    assert s["tokens"] == 60
+@pytest.fixture(scope="module")
+def secured(local_stack, secured_spawn):
+    rep, token_file = secured_spawn
+    wait_serving(rep.address, proc=rep.proc, timeout=local_stack.start_timeout)
+    return rep, token_file
+
+
+@pytest.fixture(scope="module")
+def reference(target) -> orchestrator_pb2.GenerateResponse:
+    """One direct greedy call with a fixed gamma: what every identical load call reports."""
+    data = loadgen.request_data(PROMPT, MAX_NEW, 0.0, gamma=GAMMA)
+    request = json_format.ParseDict(data, orchestrator_pb2.GenerateRequest())
+    with grpc.insecure_channel(target) as channel:
+        reply = orchestrator_pb2_grpc.OrchestratorStub(channel).Generate(request, timeout=60)
+    assert reply.stats.rounds > 0 and reply.stats.generated_tokens == len(reply.token_ids) > 0
+    return reply
+
+
+@pytest.fixture(scope="module")
+def tokens_for(reference):
+    """Greedy tokens a call asking for n (<= MAX_NEW) new tokens gets: a prefix of the reference."""
+    def tokens(n: int) -> int:
+        assert n <= MAX_NEW
+        return min(n, len(reference.token_ids))
+    return tokens
+
+
+@pytest.mark.e2e
+def test_every_call_is_counted_and_summarised(target, tokens_for):
+    s = loadgen.run_load(target=target, concurrency=3, total=6, max_new_tokens=4, temperature=0.0)
+    assert s["count"] == 6 and s["status_codes"] == {"OK": 6} and s["error_count"] == 0, s["errors"]
+    assert s["tokens"] == 6 * tokens_for(4)
     assert set(s["latency_percentiles_ms"]) == {"p10", "p25", "p50", "p75", "p90", "p95", "p99"}
-    assert s["fastest_ms"] <= s["latency_percentiles_ms"]["p50"] <= s["slowest_ms"]
-    assert sum(b["count"] for b in s["histogram"]) == 12
-    assert s["rps"] > 0
+    assert 0 < s["fastest_ms"] <= s["latency_percentiles_ms"]["p50"] <= s["slowest_ms"]
+    assert sum(b["count"] for b in s["histogram"]) == 6
+    assert s["rps"] > 0 and s["tokens_per_s"] > 0
+    assert "first_message_percentiles_ms" not in s  # unary calls have no first message
 
 
-def test_speculation_stats_are_averaged_per_round(fake):
-    s = loadgen.run_load(target=fake, concurrency=2, total=4, max_new_tokens=6)
-    sp = s["speculation"]
-    assert sp["rounds"] == 12 and sp["mean_gamma"] == 2.0 and sp["acceptance_rate"] == 0.5
-    assert sp["tokens_per_round"] == 2.0 and sp["tokens_per_target_pass"] == 2.0
-    assert (sp["draft_ms_per_round"], sp["verify_ms_per_round"], sp["network_ms_per_round"]) == (3.0, 5.0, 1.0)
+@pytest.mark.e2e
+def test_speculation_stats_are_averaged_per_round(target, reference):
+    # sequential, so that nothing but the request decides the rounds
+    s = loadgen.run_load(target=target, concurrency=1, total=4, max_new_tokens=MAX_NEW, temperature=0.0,
+                         gamma=GAMMA)
+    assert s["status_codes"] == {"OK": 4}
+    ref, sp = reference.stats, s["speculation"]
+    assert s["tokens"] == 4 * ref.generated_tokens
+    assert sp["rounds"] == 4 * ref.rounds
+    assert sp["mean_gamma"] == pytest.approx(ref.mean_gamma) and 0 < sp["mean_gamma"] <= GAMMA
+    assert sp["acceptance_rate"] == pytest.approx(ref.accepted_tokens / ref.drafted_tokens)
+    assert sp["tokens_per_round"] == pytest.approx(ref.generated_tokens / ref.rounds)
+    assert sp["tokens_per_target_pass"] == pytest.approx(ref.generated_tokens / ref.target_forward_passes)
+    assert 1.0 <= sp["tokens_per_round"] <= GAMMA + 1  # a round yields 1 .. gamma + 1 tokens
+    assert sp["draft_ms_per_round"] > 0 and sp["verify_ms_per_round"] > 0 and sp["network_ms_per_round"] >= 0
     assert "Speculation (per round, all calls):" in loadgen.format_summary(s)
 
 
-def test_stream_reports_first_message_latency(fake):
-    s = loadgen.run_load(target=fake, concurrency=2, total=4, stream=True, max_new_tokens=6)
+@pytest.mark.e2e
+def test_stream_reports_first_message_latency(target, tokens_for):
+    s = loadgen.run_load(target=target, concurrency=2, total=4, stream=True, max_new_tokens=6, temperature=0.0)
+    assert s["name"] == "specdec.v1.Orchestrator/GenerateStream"
     assert s["status_codes"] == {"OK": 4}
-    assert s["tokens"] == 24
-    assert s["first_message_percentiles_ms"]["p50"] <= s["latency_percentiles_ms"]["p99"]
+    assert s["tokens"] == 4 * tokens_for(6)
+    first, whole = s["first_message_percentiles_ms"], s["latency_percentiles_ms"]
+    # each call's first chunk comes no later than its end, so every percentile is no later either
+    assert all(0 < first[p] <= whole[p] for p in whole)
+    assert s["speculation"]["rounds"] > 0  # the last chunk carries the stats
+    assert "First message (stream) distribution:" in loadgen.format_summary(s)
 
 
-def test_errors_are_counted_not_raised(fake):
-    s = loadgen.run_load(target=fake, concurrency=2, total=4, prompt="fail")
-    assert s["status_codes"] == {"INVALID_ARGUMENT": 4}
-    assert s["errors"] == {"prompt refused": 4} and s["error_count"] == 4
+@pytest.mark.e2e
+def test_errors_are_counted_not_raised(target):
+    # far beyond the server's max_new_tokens limit (--max-new-tokens, default 1024): INVALID_ARGUMENT
+    s = loadgen.run_load(target=target, concurrency=2, total=4, max_new_tokens=1_000_000)
+    assert s["count"] == 4 and s["status_codes"] == {"INVALID_ARGUMENT": 4} and s["error_count"] == 4
+    [(message, n)] = s["errors"].items()
+    assert n == 4 and "max_new_tokens must lie in 1.." in message and "got 1000000" in message
+    assert s["tokens"] == 0 and "speculation" not in s
+    assert "Error distribution:" in loadgen.format_summary(s)
+    # a stream refused by the server is counted the same way
+    s = loadgen.run_load(target=target, total=2, stream=True, max_new_tokens=4, temperature=-1.0)
+    assert s["status_codes"] == {"INVALID_ARGUMENT": 2}
+    [message] = s["errors"]
+    assert "temperature must be a finite number >= 0" in message
+    assert "first_message_percentiles_ms" not in s
 
 
-def test_duration_bounds_the_run(fake):
-    s = loadgen.run_load(target=fake, concurrency=2, duration=0.5, max_new_tokens=1)
-    assert s["count"] > 0 and s["error_count"] == 0
-    assert s["total_s"] < 2.0
+@pytest.mark.e2e
+def test_duration_bounds_the_run(target):
+    duration = 1.0
+    s = loadgen.run_load(target=target, concurrency=1, duration=duration, max_new_tokens=4, temperature=0.0)
+    assert s["count"] > 0 and s["error_count"] == 0, s["errors"]
+    # no call starts after the window; the one in flight at its end still finishes
+    assert s["total_s"] < duration + s["slowest_ms"] / 1000 + 0.5
 
 
-def test_rps_limits_the_rate(fake):
-    s = loadgen.run_load(target=fake, concurrency=4, total=6, rps=10.0, max_new_tokens=1)
-    assert s["count"] == 6
-    assert s["total_s"] >= 0.45  # six calls at 10/s: the last starts at 0.5 s
+@pytest.mark.e2e
+def test_rps_limits_the_rate(target):
+    rps, total = 2.5, 4
+    s = loadgen.run_load(target=target, concurrency=4, total=total, rps=rps, max_new_tokens=4, temperature=0.0)
+    assert s["count"] == total and s["error_count"] == 0, s["errors"]
+    # the calls start 0.4 s apart however many workers are free: the last starts at 1.2 s
+    assert s["total_s"] >= (total - 1) / rps + s["fastest_ms"] / 1000 - 0.01
 
 
-def test_token_is_sent_as_bearer(fake_with_token):
-    refused = loadgen.run_load(target=fake_with_token, total=2)
+@pytest.mark.e2e
+def test_token_is_sent_as_bearer(secured, tokens_for, capsys):
+    rep, token_file = secured
+    refused = loadgen.run_load(target=rep.address, total=2, max_new_tokens=4, temperature=0.0)
     assert refused["status_codes"] == {"UNAUTHENTICATED": 2}
-    accepted = loadgen.run_load(target=fake_with_token, total=2, token=TOKEN)
-    assert accepted["status_codes"] == {"OK": 2}
+    [message] = refused["errors"]
+    assert "bearer token" in message
+    wrong = loadgen.run_load(target=rep.address, total=2, max_new_tokens=4, temperature=0.0, token="wrong")
+    assert wrong["status_codes"] == {"UNAUTHENTICATED": 2}
+    accepted = loadgen.run_load(target=rep.address, total=2, max_new_tokens=4, temperature=0.0, token=TOKEN)
+    assert accepted["status_codes"] == {"OK": 2} and accepted["error_count"] == 0
+    assert accepted["tokens"] == 2 * tokens_for(4)
+    capsys.readouterr()
+    # the CLI reads the token from a file
+    assert loadgen.main(["--target", rep.address, "-n", "2", "--max-new-tokens", "4", "--temperature", "0",
+                         "--token-file", str(token_file)]) == 0
+    assert "[OK]\t2 responses" in capsys.readouterr().out
 
 
 def test_non_loopback_target_is_refused():
@@ -152,25 +195,35 @@ def test_every_run_is_bounded():
     assert plan.total == loadgen.DEFAULT_TOTAL and plan.duration_s == loadgen.MAX_DURATION_S
 
 
-def test_cli_prints_a_ghz_like_summary(fake, capsys):
-    assert loadgen.main(["--target", fake, "-c", "2", "-n", "4", "--max-new-tokens", "3"]) == 0
+@pytest.mark.e2e
+def test_cli_prints_a_ghz_like_summary(target, capsys):
+    assert loadgen.main(["--target", target, "-c", "2", "-n", "4", "--max-new-tokens", "4",
+                         "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     for heading in ("Summary:", "Count:\t4", "Requests/sec:", "Latency distribution:", "99 % in",
-                    "Status code distribution:", "[OK]\t4 responses"):
+                    "Speculation (per round, all calls):", "Status code distribution:", "[OK]\t4 responses"):
         assert heading in out
 
 
-def test_generate_through_reflection_alone(fake):
-    with grpc.insecure_channel(fake) as channel:
+@pytest.mark.e2e
+def test_cli_exits_1_when_calls_fail(target, capsys):
+    assert loadgen.main(["--target", target, "-n", "2", "--max-new-tokens", "1000000"]) == 1
+    assert "[INVALID_ARGUMENT]\t2 responses" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_generate_through_reflection_alone(target, tokens_for):
+    with grpc.insecure_channel(target) as channel:
         method = reflect_method(channel, "specdec.v1.Orchestrator/Generate")
     assert method.request_class is not orchestrator_pb2.GenerateRequest  # built from the server's descriptors
     assert not method.server_streaming
-    s = loadgen.run_load(target=fake, total=3, max_new_tokens=4, reflection=True)
-    assert s["status_codes"] == {"OK": 3} and s["tokens"] == 12
+    s = loadgen.run_load(target=target, total=3, max_new_tokens=4, temperature=0.0, reflection=True)
+    assert s["status_codes"] == {"OK": 3} and s["tokens"] == 3 * tokens_for(4)
 
 
-def test_health_is_served_next_to_the_api(fake):
-    with grpc.insecure_channel(fake) as channel:
+@pytest.mark.e2e
+def test_health_is_served_next_to_the_api(target):
+    with grpc.insecure_channel(target) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -199,15 +252,20 @@ def test_ghz_config_is_valid_for_reflection(path):
     assert request.prompt and request.max_new_tokens > 0 and request.HasField("temperature")
 
 
-def test_cli_runs_a_ghz_config(fake, capsys):
-    config = str(GHZ_DIR / "generate-stream-c4.json")
-    assert loadgen.main(["--config", config, "--target", fake, "-n", "8", "--format", "json"]) == 0
+@pytest.mark.e2e
+def test_cli_runs_a_ghz_config(target, tokens_for, capsys):
+    config = GHZ_DIR / "generate-stream-c4.json"
+    data = json.loads(config.read_text())["data"]
+    assert data["prompt"] == PROMPT and data["temperature"] == 0.0  # so tokens_for applies
+    # the config's call, concurrency and data; the flags cut its total and its tokens down
+    assert loadgen.main(["--config", str(config), "--target", target, "-n", "4", "--max-new-tokens", "4",
+                         "--format", "json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["name"] == "specdec.v1.Orchestrator/GenerateStream"
-    assert summary["count"] == 8 and summary["tokens"] == 8 * 32
+    assert summary["count"] == 4 and summary["status_codes"] == {"OK": 4}
+    assert summary["tokens"] == 4 * tokens_for(4)
+    assert "first_message_percentiles_ms" in summary
 
-
-# ---- against the real stack ----
 
 @pytest.mark.e2e
 def test_loadgen_against_local_stack(local_stack, capsys):
@@ -222,8 +280,6 @@ def test_loadgen_against_local_stack(local_stack, capsys):
 @pytest.mark.e2e
 def test_generate_via_reflection_against_local_stack(local_stack):
     """What ghz does: descriptors fetched from the server, no generated stubs."""
-    import asyncio
-
     address = local_stack.orchestrator_address
     with grpc.insecure_channel(address) as channel:
         method = reflect_method(channel, "specdec.v1.Orchestrator/Generate")

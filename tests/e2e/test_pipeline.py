@@ -123,3 +123,25 @@ def test_replicas_are_in_the_registry(local_stack):
     r = redis_client(local_stack)
     members = {m.decode() for m in r.smembers("specdec:pool:draft")} | {m.decode() for m in r.smembers("specdec:pool:target")}
     assert {rep.address for rep in local_stack.replicas} <= members
+
+
+def test_overlapped_drafting_keeps_the_output_exact(local_stack, target_model, tokenizer, heldout_prompts):
+    """An orchestrator that pre-drafts every round (--overlap-min-hit 0): greedy output is
+    still the target's own, seeded sampling still reproducible, and pre-drafts were used."""
+    eager = local_stack.start_orchestrator(extra=["--overlap-min-hit", "0"])
+    try:
+        stub = api(eager.address)
+        hits = 0
+        for prompt in heldout_prompts[6:10]:
+            ids = tokenizer(prompt)["input_ids"]
+            expected = target_greedy(target_model, ids, 48, tokenizer.eos_token_id)
+            r = stub.Generate(request(prompt, 48, 0.0), timeout=120)
+            assert list(r.token_ids) == expected
+            hits += r.stats.overlap_hits
+        assert hits > 0, "no pre-drafted round was ever used"
+        a = stub.Generate(request("def run(self):\n", 40, 1.0, seed=77), timeout=120)
+        b = stub.Generate(request("def run(self):\n", 40, 1.0, seed=77), timeout=120)
+        assert list(a.token_ids) == list(b.token_ids)
+    finally:
+        local_stack.kill(eager, sig=15)
+        local_stack.orchestrators.remove(eager)
