@@ -119,7 +119,8 @@ def machine_info(device: torch.device) -> dict:
         cpu = fields.get("Model name", cpu).strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    info = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "device": str(device)}
+    info = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "device": str(device),
+            "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     import grpc
@@ -192,7 +193,8 @@ def run_stack(args, requests_for) -> tuple[list[RunResult], list[RunResult]]:
 
 
 # ----------------------------------------------------------------------------- derived numbers
-def attach_bounds(runs: list[RunResult], sweep: list[RunResult], costs: Costs, wire: dict) -> None:
+def attach_bounds(runs: list[RunResult], sweep: list[RunResult], costs: Costs, wire: dict, fixed_gamma: int) -> None:
+    """Each run's analytic bound and bytes per round (see the module docstring)."""
     for r in runs + sweep:
         if r.system in ("a", "f"):
             r.bound_tps = costs.bound_tps(0.0, 0, r.concurrency)
@@ -206,12 +208,9 @@ def attach_bounds(runs: list[RunResult], sweep: list[RunResult], costs: Costs, w
         elif r.alpha is not None:
             r.bound_tps = costs.bound_tps(r.alpha, r.gamma, r.concurrency)
         model = wire.get(r.mode)
-        if model is None or r.system in ("a", "b", "c"):
-            continue
-        gamma = r.gamma or 0
-        r.wire_bytes = model.bytes_per_round(gamma)
-        exact = r.system == "d" and gamma == round(model.measured_gamma)
-        r.wire_bytes, r.wire_note = (model.measured, "") if exact else (r.wire_bytes, "≈")
+        if model is not None and r.system in ("d", "e", "f"):
+            exact = r.system == "d" and r.gamma == fixed_gamma  # the rounds wire_meter sized
+            r.wire_bytes, r.wire_note = (model.measured, "") if exact else (model.bytes_per_round(r.gamma or 0), "≈")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,11 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     runs, wire = in_process_phase(args, draft_model, target_model, tok, requests_for)
     stack_runs, sweep = run_stack(args, requests_for)
     runs += stack_runs
-    attach_bounds(runs, sweep, costs, wire)
+    attach_bounds(runs, sweep, costs, wire, args.gamma)
     meta["elapsed"] = time.perf_counter() - t_start
     report.write_results(args.out, args.plot, args, meta, costs, runs, sweep, wire)
     for check in report.check_targets(runs, args.concurrency):
-        log(f"{check.verdict:>4}  {check.target}: {report.fmt(check.measured)} {check.note}")
+        log(f"{check.verdict:>4}  {check.target} = {report.fmt(check.measured)} (≥ {check.required:.1f}) {check.note}")
     log(f"wrote {args.out} and {args.plot}")
     return 0
 

@@ -1,0 +1,70 @@
+"""The benchmark's arithmetic, without models: bound, interpolation, α bookkeeping, targets."""
+import pytest
+
+from benchmarks.costs import Costs, expected_tokens
+from benchmarks.report import check_targets, checks_table
+from benchmarks.runs import RunResult, percentile, tried_tokens
+from benchmarks.wire_meter import RoundBytes, WireLog, WireModel
+
+
+def costs() -> Costs:
+    return Costs(64, draft_step_ms={1: 1.0}, verify_ms={1: {0: 10.0, 2: 12.0, 4: 14.0}})
+
+
+def test_expected_tokens_matches_the_geometric_series():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_bound_is_expected_tokens_over_round_cost():
+    c = costs()
+    assert c.ratio == pytest.approx(0.1)
+    assert c.verify(3) == pytest.approx(13.0)  # linear between γ = 2 and 4
+    assert c.bound_tps(0.0, 0) == pytest.approx(100.0)  # plain decoding: one token per target step
+    assert c.bound_tps(0.8, 4) == pytest.approx(1000 * expected_tokens(0.8, 4) / (4 * 1.0 + 14.0))
+    assert c.speedup_bound(0.8, 4) == pytest.approx(expected_tokens(0.8, 4) / 1.8)
+
+
+def test_tried_tokens_stop_at_the_first_rejection_and_skip_rounds_without_draft():
+    # 16 new tokens, γ = 4: the last round has one token left, so it drafts nothing
+    assert tried_tokens([4, 4, 4, 0], 4, 16) == 12
+    assert tried_tokens([1, 4, 2, 4, 0], 4, 16) == 2 + 4 + 3 + 4
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+
+
+def test_wire_model_splits_fixed_and_per_token_bytes():
+    log = WireLog([RoundBytes(4, 300, 200, 80), RoundBytes(2, 200, 100, 80)])
+    m = WireModel.fit(log)
+    assert m.per_token == pytest.approx(50.0)
+    assert m.bytes_per_round(4) == pytest.approx(100 + 200)
+    assert m.bytes_per_round(0) == 80
+
+
+def _run(system, mode, c, tps):
+    r = RunResult(system, mode, c, None, wall_s=1.0)
+    r.add_request([0] * int(tps), 1.0)
+    return r
+
+
+def test_targets_are_ratios_with_pass_and_fail():
+    runs = [_run(s, m, c, tps) for m in ("greedy", "t1") for c in (1, 16)
+            for s, tps in (("a", 10), ("b", 12), ("c", 20), ("d", 19), ("e", 25 * c), ("f", 10 * c))]
+    checks = {c.target: c for c in check_targets(runs, [1, 16])}
+    assert checks["one stream, greedy: (e) ÷ (a)"].measured == pytest.approx(2.5)
+    assert checks["one stream, greedy: (e) ÷ (a)"].verdict == "PASS"
+    assert checks["one stream, greedy: (e) ÷ (b)"].verdict == "PASS"  # 25/12 ≥ 1.5
+    assert checks["greedy, one stream: (d) ÷ (c)"].verdict == "PASS"  # 0.95 ≥ 0.9
+    assert checks["greedy: (e) at 16 streams ÷ (e) at one"].measured == pytest.approx(16.0)
+    assert "| target (tokens/s ratio) |" in checks_table(list(checks.values()))
+    small = {c.target: c for c in check_targets(runs, [1])}
+    assert small["greedy, 1 stream: (e) ÷ (f)"].verdict == "PASS"
+
+
+def test_scaling_target_is_not_judged_below_16_streams():
+    runs = [_run(s, "greedy", c, 10 * c) for c in (1, 2) for s in "abcdef"]
+    check = next(c for c in check_targets(runs, [1, 2]) if c.target.startswith("greedy: (e) at 2 streams"))
+    assert check.measured == pytest.approx(2.0) and check.verdict == "n/a"
