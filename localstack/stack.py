@@ -75,6 +75,7 @@ class LocalStack:
     # channel credentials for the health checks when the servers run TLS (mutual TLS:
     # include a client certificate the replicas trust)
     health_credentials: grpc.ChannelCredentials | None = None
+    start_timeout: float = 300.0  # seconds for a server to report SERVING (slow on a busy machine)
     redis_proc: subprocess.Popen | None = None
     replicas: list[Replica] = field(default_factory=list)
     orchestrators: list[Replica] = field(default_factory=list)
@@ -133,7 +134,7 @@ class LocalStack:
         rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}"))
         self.replicas.append(rep)
         if wait:
-            wait_serving(rep.address, proc=rep.proc, timeout=120, credentials=self.health_credentials)
+            wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
         return rep
 
     def start_orchestrator(self, port: int = 0, wait: bool = True, extra: list[str] = ()) -> Replica:
@@ -143,7 +144,7 @@ class LocalStack:
         rep = Replica("orchestrator", port, self._spawn(args, f"orchestrator-{port}"))
         self.orchestrators.append(rep)
         if wait:
-            wait_serving(rep.address, proc=rep.proc, timeout=120, credentials=self.health_credentials)
+            wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
         return rep
 
     def wait_registered(self, drafts: int, targets: int, timeout: float = 30.0) -> None:
@@ -160,16 +161,23 @@ class LocalStack:
         raise TimeoutError(f"replicas did not register in Redis ({drafts} draft, {targets} target expected)")
 
     def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1) -> "LocalStack":
-        self.start_redis()
-        for _ in range(targets):
-            self.start_replica("target", wait=False)
-        for _ in range(drafts):
-            self.start_replica("draft", wait=False)
-        for rep in self.replicas:
-            wait_serving(rep.address, proc=rep.proc, timeout=120, credentials=self.health_credentials)
-        for _ in range(orchestrators):
-            self.start_orchestrator()
-        self.wait_registered(drafts, targets)
+        """Redis, the replicas and the orchestrators; on any failure everything started is
+        stopped again, so no process outlives a stack that did not come up."""
+        try:
+            self.start_redis()
+            for _ in range(targets):
+                self.start_replica("target", wait=False)
+            for _ in range(drafts):
+                self.start_replica("draft", wait=False)
+            for rep in self.replicas:
+                wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout,
+                             credentials=self.health_credentials)
+            for _ in range(orchestrators):
+                self.start_orchestrator()
+            self.wait_registered(drafts, targets)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def kill(self, rep: Replica, sig: int = signal.SIGKILL) -> None:

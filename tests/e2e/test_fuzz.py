@@ -1,0 +1,153 @@
+"""Property: whatever a client sends, the orchestrator answers with a status that names
+the client's mistake (never INTERNAL or UNKNOWN), serves every valid request, leaks no
+session, and keeps serving."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.gamma_policy import MAX_GAMMA
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
+from tests.e2e.helpers import load_report, request, session_keys
+
+pytestmark = pytest.mark.e2e
+MAX_NEW_TOKENS = 6  # the fuzzed orchestrator's limit, so that valid requests stay quick
+SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+METHODS = ["Generate", "GenerateStream", "EndSession"]
+
+int32 = st.integers(-2**31, 2**31 - 1)
+small_or_any = lambda lo, hi: st.one_of(st.integers(lo, hi), int32)  # noqa: E731
+floats = st.floats(width=32)  # NaN, ±inf, subnormals, huge and tiny values included
+session_ids = st.one_of(st.just(""), st.text(max_size=140), st.from_regex(r"[A-Za-z0-9_.:-]{1,128}", fullmatch=True))
+
+
+@st.composite
+def any_request(draw) -> pb.GenerateRequest:
+    """Every field drawn at random, in or out of range, set or not."""
+    r = pb.GenerateRequest(max_new_tokens=draw(small_or_any(-2, MAX_NEW_TOKENS + 2)), top_k=draw(small_or_any(-2, 50)),
+                           session_id=draw(session_ids), keep_session=draw(st.booleans()))
+    if draw(st.booleans()):
+        r.prompt = draw(st.text(max_size=200))
+    if draw(st.booleans()):
+        r.prompt_token_ids.extend(draw(st.lists(small_or_any(-5, 5000), max_size=40)))
+    if draw(st.booleans()):
+        r.temperature = draw(floats)
+    if draw(st.booleans()):
+        r.top_p = draw(floats)
+    if draw(st.booleans()):
+        r.seed = draw(st.integers(0, 2**64 - 1))
+    if draw(st.booleans()):
+        r.num_speculative_tokens = draw(small_or_any(-2, MAX_GAMMA + 2))
+    r.stop.extend(draw(st.lists(st.text(max_size=300), max_size=20)))
+    return r
+
+
+@st.composite
+def valid_request(draw) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(prompt="# " + draw(st.text(max_size=60)), max_new_tokens=draw(st.integers(1, MAX_NEW_TOKENS)),
+                           top_k=draw(st.integers(0, 100)), seed=draw(st.integers(0, 2**64 - 1)))
+    # vanishing temperatures too: they must sample greedily, not divide logits into NaN
+    r.temperature = draw(st.one_of(st.just(0.0), st.floats(0.05, 2.0), st.floats(0.0, 2.0**-20, width=32)))
+    if draw(st.booleans()):
+        r.top_p = draw(st.floats(0.05, 1.0))
+    if draw(st.booleans()):
+        r.num_speculative_tokens = draw(st.integers(0, MAX_GAMMA))
+    r.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
+    return r
+
+
+cases = st.one_of(
+    st.tuples(st.just("valid"), st.sampled_from(METHODS[:2]), valid_request()),
+    st.tuples(st.just("any"), st.sampled_from(METHODS), any_request()),
+    st.tuples(st.just("raw"), st.sampled_from(METHODS), st.binary(max_size=300)),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzzed(local_stack):
+    """An orchestrator on the shared stack with a small max_new_tokens, and a ledger of
+    what the fuzzing created: the sessions it asked to keep."""
+    orch = local_stack.start_orchestrator(extra=["--max-new-tokens", str(MAX_NEW_TOKENS)])
+    channel = grpc.insecure_channel(orch.address)
+    state = {"stack": local_stack, "orch": orch, "channel": channel, "stub": pb_grpc.OrchestratorStub(channel),
+             "kept": set(), "calls": {"OK": 0}, "keys_before": session_keys(local_stack),
+             "held_before": {r.address: load_report(r.address, r.kind).sessions for r in local_stack.replicas}}
+    yield state
+    channel.close()
+    local_stack.kill(orch, sig=15)
+    local_stack.orchestrators.remove(orch)
+
+
+def call(state, method: str, payload) -> tuple[grpc.StatusCode, str, list]:
+    """→ (status, details, responses as bytes)."""
+    path = f"/specdec.v1.Orchestrator/{method}"
+    data = payload if isinstance(payload, bytes) else payload.SerializeToString()
+    if method == "EndSession" and not isinstance(payload, bytes):
+        data = pb.EndSessionRequest(session_id=payload.session_id).SerializeToString()
+    try:
+        if method == "GenerateStream":
+            out = list(state["channel"].unary_stream(path)(data, timeout=60))
+        else:
+            out = [state["channel"].unary_unary(path)(data, timeout=60)]
+        return grpc.StatusCode.OK, "", out
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or "", []
+
+
+def wants_kept(payload) -> bool:
+    if not isinstance(payload, bytes):
+        return payload.keep_session
+    try:
+        return pb.GenerateRequest.FromString(payload).keep_session
+    except Exception:
+        return False
+
+
+def check_one(state, case) -> None:
+    kind, method, payload = case
+    code, details, out = call(state, method, payload)
+    assert code not in SERVER_FAULTS, f"{method} answered {code.name}: {details}"
+    if code != grpc.StatusCode.OK:
+        assert details, f"{code.name} without a message"
+    if kind == "valid":
+        assert code == grpc.StatusCode.OK, f"a valid request failed: {code.name}: {details}"
+    if code == grpc.StatusCode.OK and method != "EndSession":
+        last = (pb.GenerateStreamResponse if method == "GenerateStream" else pb.GenerateResponse).FromString(out[-1])
+        assert 0 < last.stats.generated_tokens <= MAX_NEW_TOKENS
+        if wants_kept(payload):
+            state["kept"].add(last.session_id)
+    state["calls"][code.name] = state["calls"].get(code.name, 0) + 1
+
+
+def test_random_requests_never_crash_the_server_or_leak_a_session(fuzzed):
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(case=cases)
+    def property_holds(case):
+        check_one(fuzzed, case)
+
+    property_holds()
+
+    stack, stub = fuzzed["stack"], fuzzed["stub"]
+    assert fuzzed["calls"]["OK"] > 50, f"too few successful calls to mean anything: {fuzzed['calls']}"
+    leaked = session_keys(stack) - fuzzed["keys_before"] - fuzzed["kept"]
+    assert not leaked, f"ephemeral session handles left in Redis: {sorted(leaked)[:5]}"
+    for sid in fuzzed["kept"]:
+        stub.EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
+    assert session_keys(stack) <= fuzzed["keys_before"]
+    held = {r.address: load_report(r.address, r.kind).sessions for r in stack.replicas}
+    assert held == fuzzed["held_before"], "replicas still hold sessions of finished calls"
+    assert fuzzed["orch"].proc.poll() is None
+    assert len(stub.Generate(request("def ok():\n", 4, 0.0), timeout=60).token_ids) == 4
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-12])
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_a_vanishing_temperature_samples_greedily(fuzzed, temperature, gamma):
+    stub = fuzzed["stub"]
+    greedy = stub.Generate(request("def main():\n", MAX_NEW_TOKENS, 0.0, gamma=gamma), timeout=60)
+    tiny = stub.Generate(request("def main():\n", MAX_NEW_TOKENS, temperature, gamma=gamma, seed=3), timeout=60)
+    assert list(tiny.token_ids) == list(greedy.token_ids)

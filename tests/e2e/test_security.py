@@ -1,0 +1,175 @@
+"""TLS on every server, mutual TLS between the orchestrator and the pools, bearer-token
+authentication on the public API, a password on Redis, and no secret in any log."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import grpc
+import pytest
+import redis
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from localstack.stack import LocalStack, wait_serving
+from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
+from tests.e2e.helpers import request
+
+pytestmark = pytest.mark.e2e
+TOKEN = "s3cret-token-for-tests"
+REDIS_PASSWORD = "redis-pass-for-tests"
+
+
+# ----------------------------------------------------------------------------- certificates
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _pem_key(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+            .public_key(public_key).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
+
+
+def make_ca(cn: str):
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (_builder(_name(cn), _name(cn), key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def issue(ca, cn: str, usage) -> tuple[bytes, bytes]:
+    """→ (certificate PEM, key PEM) signed by the CA, valid for 127.0.0.1 and localhost."""
+    ca_key, ca_cert = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (_builder(_name(cn), ca_cert.subject, key.public_key())
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = make_ca("specdec test CA")
+    files = {"ca": ca[1].public_bytes(serialization.Encoding.PEM)}
+    files["server"], files["server-key"] = issue(ca, "specdec server", ExtendedKeyUsageOID.SERVER_AUTH)
+    files["client"], files["client-key"] = issue(ca, "specdec orchestrator", ExtendedKeyUsageOID.CLIENT_AUTH)
+    files["other-ca"] = make_ca("some other CA")[1].public_bytes(serialization.Encoding.PEM)
+    paths = {}
+    for name, data in files.items():
+        paths[name] = d / f"{name}.pem"
+        paths[name].write_bytes(data)
+    (d / "token").write_text(TOKEN + "\n")
+    paths["token"] = d / "token"
+    return {"files": files, "paths": {k: str(v) for k, v in paths.items()}}
+
+
+@pytest.fixture(scope="module")
+def secure_stack(bundled_paths, pki):
+    """Redis with a password; replicas that serve TLS and require client certificates;
+    an orchestrator on TLS that dials the pools with mutual TLS, and a second one that
+    also requires a bearer token."""
+    p, f = pki["paths"], pki["files"]
+    stack = LocalStack(redis_password=REDIS_PASSWORD, health_credentials=grpc.ssl_channel_credentials(
+        f["ca"], private_key=f["client-key"], certificate_chain=f["client"]))
+    server_tls = ["--tls-cert-file", p["server"], "--tls-key-file", p["server-key"]]
+    pool_tls = ["--pool-ca-file", p["ca"], "--client-cert-file", p["client"], "--client-key-file", p["client-key"]]
+    try:
+        stack.start_redis()
+        for kind in ("target", "draft"):
+            stack.start_replica(kind, wait=False, extra=server_tls + ["--tls-ca-file", p["ca"]])
+        stack.start_orchestrator(wait=False, extra=server_tls + pool_tls)
+        stack.start_orchestrator(wait=False, extra=server_tls + pool_tls + ["--api-token-file", p["token"]])
+        for rep in stack.replicas + stack.orchestrators:
+            wait_serving(rep.address, timeout=stack.start_timeout, proc=rep.proc, credentials=stack.health_credentials)
+        stack.wait_registered(1, 1)
+    except BaseException:
+        stack.stop()
+        raise
+    yield stack
+    stack.stop()
+
+
+def tls_channel(address: str, ca: bytes, cert: bytes | None = None, key: bytes | None = None) -> grpc.Channel:
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, private_key=key, certificate_chain=cert))
+
+
+def refused_code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_a_tls_client_generates_through_mutual_tls_pools(secure_stack, pki):
+    stub = pb_grpc.OrchestratorStub(tls_channel(secure_stack.orchestrators[0].address, pki["files"]["ca"]))
+    resp = stub.Generate(request("def handler(event):\n", 16, 0.0, gamma=3), timeout=120)
+    assert len(resp.token_ids) == 16
+    assert resp.stats.drafted_tokens > 0, "the draft pool was not reached over mutual TLS"
+    assert resp.stats.target_replica == next(r.address for r in secure_stack.replicas if r.kind == "target")
+
+
+def test_plaintext_and_untrusted_clients_are_refused(secure_stack, pki):
+    address = secure_stack.orchestrators[0].address
+    plain = pb_grpc.OrchestratorStub(grpc.insecure_channel(address))
+    assert refused_code(lambda: plain.Generate(request("x", 4, 0.0), timeout=10)) == grpc.StatusCode.UNAVAILABLE
+    untrusting = pb_grpc.OrchestratorStub(tls_channel(address, pki["files"]["other-ca"]))
+    assert refused_code(lambda: untrusting.Generate(request("x", 4, 0.0), timeout=10)) == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("kind", ["draft", "target"])
+def test_replicas_accept_only_clients_with_a_certificate(secure_stack, pki, kind):
+    f = pki["files"]
+    address = next(r.address for r in secure_stack.replicas if r.kind == kind)
+    stub_of = replica_pb2_grpc.DraftStub if kind == "draft" else replica_pb2_grpc.TargetStub
+    for channel in (grpc.insecure_channel(address), tls_channel(address, f["ca"])):  # no client certificate
+        code = refused_code(lambda: stub_of(channel).Load(replica_pb2.LoadRequest(), timeout=10))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    report = stub_of(tls_channel(address, f["ca"], f["client"], f["client-key"])).Load(replica_pb2.LoadRequest(), timeout=10)
+    assert report.pool == kind
+
+
+def test_the_bearer_token_is_required_on_the_public_api(secure_stack, pki):
+    channel = tls_channel(secure_stack.orchestrators[1].address, pki["files"]["ca"])
+    stub = pb_grpc.OrchestratorStub(channel)
+    req = request("def auth():\n", 8, 0.0)
+    for metadata in ((), (("authorization", "Bearer wrong-token"),), (("authorization", TOKEN),)):
+        for call in (lambda: stub.Generate(req, timeout=30, metadata=metadata),
+                     lambda: list(stub.GenerateStream(req, timeout=30, metadata=metadata))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "bearer token" in err.value.details()
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    assert len(stub.Generate(req, timeout=120, metadata=good).token_ids) == 8
+    assert len([t for c in stub.GenerateStream(req, timeout=120, metadata=good) for t in c.token_ids]) == 8
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+
+
+def test_redis_requires_its_password_and_no_secret_is_logged(secure_stack):
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=secure_stack.redis_port, retry=Retry(NoBackoff(), 0)).ping()
+    assert redis.Redis(port=secure_stack.redis_port, password=REDIS_PASSWORD).ping()
+    logs = "".join(p.read_text(errors="replace") for p in secure_stack.workdir.glob("*.log"))
+    assert "serving" in logs  # the servers did log
+    assert TOKEN not in logs and REDIS_PASSWORD not in logs
