@@ -24,6 +24,7 @@ from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavail
 from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle, SessionStore
+from specdec.sessions import CacheRef
 from specdec.wire import EncodedDistributions, drop_first_rows
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class Outcome:
 
 
 Emit = Callable[[str, list[int]], Awaitable[None]]
+
+
+def ref_pb(ref: CacheRef) -> replica_pb2.CacheRef:
+    return replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
+                                tokens=ref.tokens, resync=ref.resync)
 
 
 class Generator:
@@ -131,9 +137,7 @@ class Generator:
                     return None
             ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
             request = replica_pb2.ProposeRequest(
-                cache=replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
-                                           tokens=ref.tokens, resync=ref.resync),
-                num_tokens=gamma, sampling=params_pb)
+                cache=ref_pb(ref), num_tokens=gamma, sampling=params_pb)
             t0 = time.perf_counter()
             try:
                 resp = await self.pools.draft(handle.draft_replica).Propose(request, timeout=self._timeout(deadline))
@@ -157,9 +161,7 @@ class Generator:
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
             ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
             request = replica_pb2.VerifyRequest(
-                cache=replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
-                                           tokens=ref.tokens, resync=ref.resync),
-                draft_tokens=draft_tokens, distributions=dists, sampling=params_pb)
+                cache=ref_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=params_pb)
             t0 = time.perf_counter()
             try:
                 resp = await self.pools.target(handle.target_replica).Verify(request, timeout=self._timeout(deadline))
@@ -212,8 +214,7 @@ class Generator:
         full: feed the last draft token, guess the bonus token, and draft γ more after it.
         One attempt; any failure just means no pre-draft."""
         request = replica_pb2.ProposeRequest(
-            cache=replica_pb2.CacheRef(session_id=handle.session_id, epoch=handle.epoch, start=start,
-                                       tokens=[last_draft]),
+            cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, [last_draft])),
             num_tokens=gamma + 1, sampling=params_pb)
         try:
             resp = await self.pools.draft(handle.draft_replica).Propose(request, timeout=self._timeout(deadline))
