@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import DeadlineExceeded, Generator, Outcome
+from orchestrator.generation import Generator, Outcome
 from orchestrator.pools import PoolClients
 from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
@@ -85,7 +85,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return None if left is None else time.monotonic() + left
 
     async def Generate(self, request, context):
-        text, tokens = [], []
+        text = []
 
         async def emit(chunk: str, new: list[int]) -> None:
             text.append(chunk)
@@ -107,7 +107,6 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     async def GenerateStream(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
-        session_holder = {}
 
         async def emit(chunk: str, new: list[int]) -> None:
             await queue.put(pb.GenerateStreamResponse(text=chunk, token_ids=new))

@@ -4,7 +4,6 @@ only in their servicer and engine; this is the part they share."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import time
 

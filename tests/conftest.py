@@ -1,12 +1,10 @@
 """Shared fixtures: the bundled models, a real redis-server, real local stacks."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +95,15 @@ def redis_server():
 @pytest.fixture(scope="session")
 def local_stack(bundled_paths):
     """One draft, one target, one orchestrator and Redis, shared by the e2e tests."""
+    stack = LocalStack()
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(bundled_paths):
+    """A stack of a module's own, for tests that disturb it (kills, restarts, caps)."""
     stack = LocalStack()
     stack.start()
     yield stack

@@ -7,20 +7,11 @@ import time
 import grpc
 import pytest
 
-from localstack.stack import LocalStack
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, live_replicas, load_report, request, session_keys
 
 pytestmark = pytest.mark.e2e
 LONG = 512  # tokens: far more than a test waits for
-
-
-@pytest.fixture(scope="module")
-def stack(bundled_paths):
-    stack = LocalStack()
-    stack.start()
-    yield stack
-    stack.stop()
 
 
 def held(stack) -> dict[str, int]:

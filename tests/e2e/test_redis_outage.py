@@ -9,21 +9,12 @@ import time
 import grpc
 import pytest
 
-from localstack.stack import LocalStack
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, redis_client, request, session_keys
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["def merge(a, b):\n", "class Queue:\n", "with open(path) as f:\n"]
-
-
-@pytest.fixture(scope="module")
-def stack(bundled_paths):
-    stack = LocalStack()
-    stack.start()
-    yield stack
-    stack.stop()
 
 
 def restart_redis(stack, down_seconds: float) -> float:

@@ -1,6 +1,5 @@
 """The sampling core: greedy cases, seeded determinism, and statistical losslessness on
 synthetic distributions (chi-square at a fixed seed, so the verdict is reproducible)."""
-import itertools
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from draft_service.engine import DraftEngine, ProposeJob
-from specdec import rounds, sampling
+from specdec import rounds
 from specdec.model_runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.sessions import CacheRef
