@@ -25,6 +25,7 @@ from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle, SessionStore
 from specdec.sessions import CacheRef
+from specdec.spec_loop import LoopStats
 from specdec.wire import EncodedDistributions, drop_first_rows
 
 log = logging.getLogger(__name__)
@@ -45,20 +46,13 @@ class GenerationRequest:
 
 
 @dataclass
-class Stats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_passes: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+class Stats(LoopStats):
+    """The in-process loop's round counts plus what only the distributed loop has."""
     redis_ms: float = 0.0
     network_ms: float = 0.0
     failovers: int = 0
-    gamma_sum: int = 0
     wire_bytes: int = 0
     overlap_hits: int = 0
-    rejections: int = 0
 
 
 @dataclass
@@ -331,12 +325,7 @@ class Generator:
                        handle.target_replica, (time.perf_counter() - t_start) * 1000)
 
     def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int) -> None:
-        stats.rounds += 1
-        stats.target_passes += 1
-        stats.drafted += gamma
-        stats.accepted += accepted
-        stats.rejections += int(accepted < gamma)
-        stats.gamma_sum += gamma
+        stats.observe(gamma, accepted)
         policy.observe(gamma, accepted)
         metrics.ROUNDS.inc()
         metrics.GAMMA.observe(gamma)

@@ -22,7 +22,19 @@ class LoopStats:
     target_passes: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    rejections: int = 0  # rounds that ended at a rejected draft token
+    gamma_sum: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """One round: γ drafted, `accepted` of them kept, one target pass."""
+        self.rounds += 1
+        self.target_passes += 1
+        self.drafted += gamma
+        self.accepted += accepted
+        self.rejections += int(accepted < gamma)
+        self.gamma_sum += gamma
+        self.accepted_per_round.append(accepted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -80,11 +92,7 @@ def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma
                 reason = "eos"
             committed.extend(new[:kept])
             cur = rounds.advance(cur, m, g, verdict.accepted, verdict.cache_length, kept)
-            stats.rounds += 1
-            stats.target_passes += 1
-            stats.drafted += g
-            stats.accepted += verdict.accepted
-            stats.accepted_per_round.append(verdict.accepted)
+            stats.observe(g, verdict.accepted)
             if reason == "eos":
                 break
     finally:
