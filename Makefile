@@ -45,8 +45,11 @@ bench: setup  ## side-by-side benchmark; writes benchmarks/RESULTS.md and a plot
 bench-smoke: setup  ## the benchmark's smoke run (as in make test)
 	$(PY) -m pytest -q -m bench tests/benchmarks
 
-models: venv  ## retrain the bundled pair (about 45 minutes on 2 cores)
+models: venv  ## retrain the bundled pair (about 100 minutes on 2 cores)
 	$(PY) -m training --out models
+	$(PY) -m training.distill --models models --seed 0
+	$(PY) -m training.distill --models models --seed 1
+	$(PY) -m training.distill --models models --seed 2
 
 loadtest: setup  ## python load generator against a local stack
 	$(PY) -m localstack loadtest
