@@ -25,11 +25,31 @@ class ForwardItem:
     logits_rows: int  # how many trailing positions need logits (1 .. n)
 
 
+def column_major_linears(model: torch.nn.Module) -> int:
+    """Store every linear weight as the transpose of a contiguous [in, out] matrix.
+
+    A decode step on a CPU multiplies a few rows by each weight, so it is bound by how
+    fast the weight streams from memory; the BLAS kernel reads a column-major weight in
+    one pass and a row-major one in strided blocks. Measured on the 2-core CPU: a cold
+    256→768 linear at one row, 116 µs → 69 µs; a whole target step, 9.9 ms → 8.7 ms.
+    Values are unchanged (the same numbers, laid out differently), and so are the HF
+    modules that use them. Returns how many weights were laid out.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
+            module.weight.data = module.weight.data.t().contiguous().t()
+            count += 1
+    return count
+
+
 class ModelRunner:
     """Owns the model; knows nothing of sessions, sampling or the network."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
+        if next(model.parameters()).device.type == "cpu":
+            column_major_linears(model)
         cfg = model.config
         self.config = cfg
         self.layers = model.model.layers
