@@ -32,6 +32,7 @@ class PoolClients:
         self.avoid_seconds = avoid_seconds
         self.cache_seconds = registry_cache_seconds
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, str], object] = {}  # built once per channel: not per call
         self._down: dict[str, float] = {}
         self._placed: dict[str, int] = {}
         self._live_cache: dict[str, tuple[float, list[ReplicaInfo]]] = {}
@@ -44,15 +45,24 @@ class PoolClients:
             self._channels[address] = ch
         return ch
 
+    def _stub(self, kind: str, address: str):
+        stub = self._stubs.get((kind, address))
+        if stub is None:
+            cls = replica_pb2_grpc.DraftStub if kind == "draft" else replica_pb2_grpc.TargetStub
+            stub = self._stubs[(kind, address)] = cls(self.channel(address))
+        return stub
+
     def draft(self, address: str) -> replica_pb2_grpc.DraftStub:
-        return replica_pb2_grpc.DraftStub(self.channel(address))
+        return self._stub("draft", address)
 
     def target(self, address: str) -> replica_pb2_grpc.TargetStub:
-        return replica_pb2_grpc.TargetStub(self.channel(address))
+        return self._stub("target", address)
 
     def mark_down(self, address: str) -> None:
         self._down[address] = time.monotonic() + self.avoid_seconds
         ch = self._channels.pop(address, None)
+        self._stubs.pop(("draft", address), None)
+        self._stubs.pop(("target", address), None)
         if ch is not None:
             # closed lazily: calls still in flight on it finish or fail on their own
             import asyncio
@@ -93,3 +103,4 @@ class PoolClients:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._stubs.clear()
