@@ -252,6 +252,7 @@ class Generator:
         prompt_len, generated, reason = len(handle.committed), [], "length"
         last_draft_probe = time.monotonic()
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
+        pending: asyncio.Future | None = None  # the previous round's commit, then its emit
         metrics.ACTIVE_SESSIONS.inc()
         try:
             while len(generated) < req.max_new_tokens:
@@ -306,12 +307,16 @@ class Generator:
                 handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
                 generated.extend(new)
                 self._count_round(stats, policy, gamma, verdict.accepted)
-                t0 = time.perf_counter()
-                await self.store.commit_round(handle, new)
-                stats.redis_ms += (time.perf_counter() - t0) * 1000
-                await emit(out_text, new)
+                if pending is not None:
+                    await pending  # rounds are committed and streamed in order
+                # the next round's calls overlap this round's Redis round trip; its tokens
+                # reach the client only once they are committed
+                pending = asyncio.ensure_future(
+                    self._commit_emit(self.store.commit_round(handle, new), emit, out_text, new, stats))
                 if reason in ("eos", "stop"):
                     break
+            if pending is not None:
+                await pending
             tail = text.flush()
             if tail:
                 await emit(tail, [])
@@ -319,7 +324,7 @@ class Generator:
             metrics.ACTIVE_SESSIONS.dec()
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
-            await asyncio.shield(self._close(handle, req, owner))
+            await asyncio.shield(self._close(handle, req, owner, pending))
         metrics.TOKENS.inc(len(generated))
         return Outcome(handle.session_id, generated, reason, stats, prompt_len, p.seed, handle.draft_replica,
                        handle.target_replica, (time.perf_counter() - t_start) * 1000)
@@ -338,9 +343,23 @@ class Generator:
                 if i < accepted:
                     metrics.ACCEPT_AT_POSITION.labels(str(i)).inc()
 
-    async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str) -> None:
+    @staticmethod
+    async def _commit_emit(commit: Awaitable[None], emit: Emit, text: str, new: list[int], stats: Stats) -> None:
+        t0 = time.perf_counter()
+        await commit
+        stats.redis_ms += (time.perf_counter() - t0) * 1000
+        await emit(text, new)
+
+    async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str,
+                     pending: asyncio.Future | None = None) -> None:
         """Ephemeral sessions are released on both replicas and their handle deleted;
-        kept sessions are unlocked for the next call."""
+        kept sessions are unlocked for the next call. A round's commit still in flight
+        (the loop ended by an error or a cancellation) lands first, so that it cannot
+        recreate a handle deleted here."""
+        if pending is not None:
+            await asyncio.wait([pending])
+            if not pending.cancelled():
+                pending.exception()  # already raised by the loop, or superseded by its error
         keep = req.keep_session or bool(req.session_id)
         if keep:
             await self.store.unlock(handle.session_id, owner)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,20 +95,26 @@ class SessionStore:
         return SessionHandle(session_id, meta["draft"], meta["target"], int(meta["epoch"]), committed,
                              cursor, json.loads(meta["params"]))
 
-    async def commit_round(self, handle: SessionHandle, new_tokens: list[int]) -> None:
+    def commit_round(self, handle: SessionHandle, new_tokens: list[int]) -> Awaitable[None]:
         """One round trip: append the round's tokens and record what the caches now hold.
 
-        `handle.committed` already includes new_tokens; the stored length guards readers
-        against a partially applied append (MULTI/EXEC makes it atomic anyway). Every write
-        is absolute (SETRANGE at an offset, the whole cursor), so a commit may be retried:
-        while Redis restarts the stream waits, with backoff, up to commit_retry_seconds."""
+        The commands are built from the handle *now*, so the caller may start the next
+        round (and change the handle) while the round trip is in flight. `handle.committed`
+        already includes new_tokens; the stored length guards readers against a partially
+        applied append (MULTI/EXEC makes it atomic anyway). Every write is absolute
+        (SETRANGE at an offset, the whole cursor), so a commit may be retried: while Redis
+        restarts the stream waits, with backoff, up to commit_retry_seconds."""
         meta, toks = self._keys(handle.session_id)
+        offset, data, mapping = 4 * (handle.length - len(new_tokens)), _tokens_bytes(new_tokens), _meta(handle)
+        return self._commit(meta, toks, offset, data, mapping)
+
+    async def _commit(self, meta: str, toks: str, offset: int, data: bytes, mapping: dict) -> None:
         give_up, delay = time.monotonic() + self.commit_retry_seconds, 0.05
         while True:
             try:
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.setrange(toks, 4 * (handle.length - len(new_tokens)), _tokens_bytes(new_tokens))
-                    pipe.hset(meta, mapping=_meta(handle))
+                    pipe.setrange(toks, offset, data)
+                    pipe.hset(meta, mapping=mapping)
                     pipe.expire(meta, self.ttl)
                     pipe.expire(toks, self.ttl)
                     await pipe.execute()
