@@ -125,7 +125,8 @@ def distill(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m training.distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="models", help="directory with target/ and the draft (default: models)")
     ap.add_argument("--init", default="draft", help="draft to start from, under --models (default: draft)")
     ap.add_argument("--out", default="draft", help="where the distilled draft goes, under --models")
