@@ -24,6 +24,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_GAMMA = 8
+# Extra forward cost per verified draft token, as a fraction of a plain decode step of the
+# same batch: on the bundled pair (benchmarks/RESULTS.md, step costs) verifying γ = 4 costs
+# 1.38 steps at batch 1, 1.53 at batch 4 and 2.02 at batch 16, i.e. 0.1 per token plus 0.01
+# per extra session in the batch: a fuller batch leaves less idle compute to verify with.
+VERIFY_TOKEN_SLOPE = 0.1
+VERIFY_TOKEN_SLOPE_PER_SESSION = 0.01
+
+
+def verify_slope(batch_size: int) -> float:
+    return VERIFY_TOKEN_SLOPE + VERIFY_TOKEN_SLOPE_PER_SESSION * max(0, batch_size - 1)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -53,20 +63,31 @@ class CostModel:
     verify_token: Ema = field(default_factory=Ema)  # extra ms per draft token verified
     batch: Ema = field(default_factory=Ema)  # sessions per verify batch
 
-    def observe_draft(self, gamma: int, ms: float) -> None:
+    def observe_draft(self, gamma: int, ms: float, compute_ms: float | None = None) -> None:
+        """A draft call of γ tokens took `ms` here, `compute_ms` of it in the replica's engine.
+
+        The engine's time is per-token work (γ forward steps and samples); the rest, the
+        network and both ends' gRPC, is paid once per call whatever γ is."""
         if gamma <= 0:
             return
-        base = self.draft_call.get(0.3 * ms)
-        self.draft_step.update(max(0.0, (ms - base) / gamma))
-        self.draft_call.update(max(0.0, ms - gamma * self.draft_step.get(ms / gamma)))
+        if compute_ms is None or not 0 < compute_ms <= ms:
+            compute_ms = 0.7 * ms
+        self.draft_step.update(compute_ms / gamma)
+        self.draft_call.update(ms - compute_ms)
 
-    def observe_verify(self, gamma: int, ms: float, batch_size: int) -> None:
+    def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float | None = None) -> None:
+        """A verify call with γ draft tokens took `ms`, `compute_ms` of it in the engine (the
+        whole batch's forward, which this session waits for). The forward's cost grows with
+        every token verified (`verify_slope` of a step per token, more in fuller batches);
+        under load the batch's forward grows, and with it the per-token cost, which is what
+        shrinks γ as the target saturates."""
         self.batch.update(float(batch_size))
-        if gamma == 0:
-            self.verify_base.update(ms)
-        else:
-            base = self.verify_base.get(ms * 0.8)
-            self.verify_token.update(max(0.0, (ms - base) / gamma))
+        if compute_ms is None or not 0 < compute_ms <= ms:
+            compute_ms = 0.8 * ms
+        slope = verify_slope(batch_size)
+        step = compute_ms / (1 + slope * gamma)
+        self.verify_base.update(ms - compute_ms + step)
+        self.verify_token.update(slope * step)
 
     def round_ms(self, gamma: int) -> float:
         verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)

@@ -143,7 +143,7 @@ class Generator:
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += resp.ByteSize()
             if len(ref.tokens) <= 2:  # steady state only: a prefill is no measure of a round
-                self.costs.observe_draft(gamma, ms)
+                self.costs.observe_draft(gamma, ms, resp.compute_ms)
             metrics.STAGE_SECONDS.labels("draft").observe(ms / 1000)
             return resp
         return None
@@ -167,7 +167,7 @@ class Generator:
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += request.ByteSize() + resp.ByteSize()
             if len(ref.tokens) <= 2 and not resp.resynced:
-                self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size)
+                self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size, resp.compute_ms)
             metrics.STAGE_SECONDS.labels("verify").observe(ms / 1000)
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
