@@ -38,15 +38,16 @@ class ReplicaHost:
         self.engine = engine
         self.pool = args.pool
         self.address = args.advertise_address or f"127.0.0.1:{args.port}"
+        self._batch_sizes = metrics.BATCH_SIZE.labels(self.pool)
         self.batcher = MicroBatcher(run_batch, max_batch=args.max_batch, on_batch=self._on_batch)
         self.shell = ServerShell([service_name])
         self.redis = redis_client(args.redis_url, args.redis_password_file)
         self.heartbeat = Heartbeat(Registry(self.redis), self.info)
 
     def _on_batch(self, size: int) -> None:
-        metrics.BATCH_SIZE.labels(self.pool).observe(size)
-        metrics.REPLICA_SESSIONS.labels(self.pool).set(len(self.engine.sessions))
-        metrics.REPLICA_CACHE_BYTES.labels(self.pool).set(self.engine.sessions.cache_bytes)
+        # per batch only the histogram (a pre-bound child); the session and cache gauges,
+        # a walk over every session, follow the heartbeat in info()
+        self._batch_sizes.observe(size)
 
     def info(self) -> ReplicaInfo:
         """The load this replica reports to the registry (every heartbeat); the gauges too."""

@@ -1,0 +1,43 @@
+"""The wire encoding of draft distributions is exact: what the target decodes is what the
+draft sampled from, in sparse and dense form."""
+import torch
+
+from specdec.wire import decode, drop_first_rows, encode, quantize
+
+
+def _rows(gamma: int, vocab: int, keep: int | None, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(gamma, vocab, generator=g) * 3
+    if keep is not None:  # top-k truncation: the rest is exactly zero
+        cut = logits.topk(keep, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < cut, float("-inf"))
+    return quantize(logits.softmax(-1))
+
+
+def _normalised(q16: torch.Tensor) -> torch.Tensor:
+    q = q16.double()
+    return q / q.sum(-1, keepdim=True)
+
+
+def test_truncated_rows_travel_sparse_and_exact():
+    q16 = _rows(4, 4096, keep=20)
+    enc = encode(q16)
+    assert enc.sparse and enc.row_lengths == (20, 20, 20, 20)
+    assert enc.nbytes == 4 * 20 * 6 + 4 * 4
+    assert torch.equal(decode(enc, 4), _normalised(q16))
+
+
+def test_full_rows_travel_dense_and_exact():
+    q16 = _rows(3, 512, keep=None)
+    enc = encode(q16)
+    assert not enc.sparse and enc.nbytes == 3 * 512 * 2
+    assert torch.equal(decode(enc, 3), _normalised(q16))
+
+
+def test_one_hot_rows_and_dropping_rows():
+    q16 = torch.zeros(3, 100)
+    q16[0, 7] = q16[1, 0] = q16[2, 99] = 1.0
+    enc = encode(q16)
+    assert enc.sparse and enc.row_lengths == (1, 1, 1)
+    tail = drop_first_rows(enc, 1)
+    assert torch.equal(decode(tail, 2), q16[1:].double())
