@@ -114,7 +114,8 @@ def distill(args: argparse.Namespace) -> dict:
     if best_state is not None:
         draft.load_state_dict(best_state)
         draft.half().save_pretrained(root / args.out)
-        tokenizer.save_pretrained(root / args.out)
+        if not (root / args.out / "tokenizer.json").exists():  # a new directory: give it the tokenizer
+            tokenizer.save_pretrained(root / args.out)
         report_path = root / "training_report.json"
         full = json.loads(report_path.read_text()) if report_path.exists() else {}
         full["distill"] = [*full.get("distill", []), report]  # one entry per distillation run
