@@ -76,12 +76,7 @@ class DraftEngine:
             for i, row in zip(live, logits):
                 job = jobs[i]
                 q16 = quantize(sampling.logits_to_probs(row[0], job.params))  # [V]
-                if job.params.greedy:  # a one-hot: its token is the argmax, no draw needed
-                    token = int(q16.argmax())
-                else:
-                    position = caches[i].length  # position of the token being drafted
-                    u = torch.tensor(sampling.uniform(job.params.seed, position, sampling.STREAM_DRAFT))
-                    token = int(sampling.sample_from(q16, u))
+                token = sampling.draft_token(q16, job.params, caches[i].length)  # at the position being drafted
                 drafted[i][0].append(token)
                 drafted[i][1].append(q16)
                 if step + 1 < job.gamma:

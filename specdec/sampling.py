@@ -105,6 +105,15 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def draft_token(q: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The draft's token at `position`, drawn from its [V] distribution q with the draft
+    stream's uniform for that position. Greedy q is a one-hot, whose token is its argmax:
+    no draw needed."""
+    if params.greedy:
+        return int(q.argmax())
+    return int(sample_from(q, torch.tensor(uniform(params.seed, position, STREAM_DRAFT))))
+
+
 @dataclass
 class VerifyResult:
     accepted: torch.Tensor  # [B] int64, number of draft tokens accepted

@@ -140,3 +140,14 @@ def test_acceptance_rate_matches_sum_of_min():
     alpha = float(torch.minimum(p, q).sum())
     measured = float(res.accepted.double().mean())
     assert abs(measured - alpha) < 4 * (alpha * (1 - alpha) / trials) ** 0.5 + 1e-9
+
+
+def test_draft_token_is_the_argmax_when_greedy_and_the_draft_streams_draw_otherwise():
+    probs = torch.tensor([0.1, 0.5, 0.0, 0.4])
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=3)
+    assert sampling.draft_token(logits_to_probs(probs.log(), greedy), greedy, 17) == 1
+    t1 = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3)
+    for position in range(50):
+        u = torch.tensor(sampling.uniform(3, position, sampling.STREAM_DRAFT))
+        assert sampling.draft_token(probs, t1, position) == int(sample_from(probs, u))
+    assert {sampling.draft_token(probs, t1, pos) for pos in range(200)} == {0, 1, 3}  # never the zero
