@@ -63,26 +63,26 @@ class CostModel:
     verify_token: Ema = field(default_factory=Ema)  # extra ms per draft token verified
     batch: Ema = field(default_factory=Ema)  # sessions per verify batch
 
-    def observe_draft(self, gamma: int, ms: float, compute_ms: float | None = None) -> None:
+    def observe_draft(self, gamma: int, ms: float, compute_ms: float) -> None:
         """A draft call of γ tokens took `ms` here, `compute_ms` of it in the replica's engine.
 
         The engine's time is per-token work (γ forward steps and samples); the rest, the
         network and both ends' gRPC, is paid once per call whatever γ is."""
         if gamma <= 0:
             return
-        if compute_ms is None or not 0 < compute_ms <= ms:
+        if not 0 < compute_ms <= ms:  # a replica that reports no compute time: a rough split
             compute_ms = 0.7 * ms
         self.draft_step.update(compute_ms / gamma)
         self.draft_call.update(ms - compute_ms)
 
-    def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float | None = None) -> None:
+    def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float) -> None:
         """A verify call with γ draft tokens took `ms`, `compute_ms` of it in the engine (the
         whole batch's forward, which this session waits for). The forward's cost grows with
         every token verified (`verify_slope` of a step per token, more in fuller batches);
         under load the batch's forward grows, and with it the per-token cost, which is what
         shrinks γ as the target saturates."""
         self.batch.update(float(batch_size))
-        if compute_ms is None or not 0 < compute_ms <= ms:
+        if not 0 < compute_ms <= ms:
             compute_ms = 0.8 * ms
         slope = verify_slope(batch_size)
         step = compute_ms / (1 + slope * gamma)
