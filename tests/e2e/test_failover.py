@@ -61,22 +61,14 @@ def assert_failover_is_invisible(results, expected, killed: str, affected: set[s
             assert getattr(last.stats, f"{kind}_replica") != killed
 
 
-def test_target_killed_mid_stream_is_invisible_to_clients(stack):
-    ensure(stack, "target", 2)
+@pytest.mark.parametrize("kind", ["target", "draft"])
+def test_replica_killed_mid_stream_is_invisible_to_clients(stack, kind):
+    ensure(stack, kind, 2)
     stub = api(stack.orchestrator_address)
     expected = references(stub)
     streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
-    killed, affected = kill_busiest(stack, streams, "target")
-    assert_failover_is_invisible(streams.join(), expected, killed, affected, "target")
-
-
-def test_draft_killed_mid_stream_is_invisible_to_clients(stack):
-    ensure(stack, "draft", 2)
-    stub = api(stack.orchestrator_address)
-    expected = references(stub)
-    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
-    killed, affected = kill_busiest(stack, streams, "draft")
-    assert_failover_is_invisible(streams.join(), expected, killed, affected, "draft")
+    killed, affected = kill_busiest(stack, streams, kind)
+    assert_failover_is_invisible(streams.join(), expected, killed, affected, kind)
 
 
 def test_empty_draft_pool_falls_back_to_target_only_and_recovers(stack):
