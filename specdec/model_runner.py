@@ -1,11 +1,17 @@
 """Runs one causal LM over many sessions' KV caches in a single packed forward pass.
 
-The Hugging Face model supplies the weights and its own modules (embeddings, norms,
-projections, MLP, rotary embedding); only attention is ours, so that sessions of
+The Hugging Face model supplies the weights; the forward is ours, so that sessions of
 different lengths share one pass with no padding: the new tokens of all sessions are
 packed into one sequence for every matrix product, and attention runs per session
 against that session's cache views. Llama-family architectures (Llama, Mistral, Qwen2,
 Qwen3) are supported.
+
+A decode step of a small model is bound by per-operator overhead and by streaming the
+weights, not by arithmetic, so the forward is written for few operators: q/k/v are one
+matrix product, gate/up another, RMSNorm is the fused kernel, the rotary embedding is
+a table lookup and a roll, the causal mask a slice of a precomputed table. The numbers
+are the ones Hugging Face's own modules compute (same operations in the same order;
+tests/specdec/test_model_runner.py checks the logits), only with fewer dispatches.
 """
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.kv_cache import KVCache
 
@@ -40,28 +45,108 @@ def column_major_linears(model: torch.nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
+def _fuse(linears: list[torch.nn.Linear], column_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [Σout, in] weight for several linears that read the same input, and their
+    modules re-pointed at views of it, so the model holds each weight once."""
+    weights = [lin.weight for lin in linears]
+    base = weights[0]
+    rows = sum(w.shape[0] for w in weights)
+    fused = getattr(linears[0], "_specdec_fused", None)
+    if fused is None or fused.data_ptr() != base.data_ptr() or fused.shape[0] != rows:
+        if column_major:
+            fused = torch.empty(base.shape[1], rows, dtype=base.dtype, device=base.device).t()
+        else:
+            fused = torch.empty(rows, base.shape[1], dtype=base.dtype, device=base.device)
+        offset = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            fused[offset : offset + n] = lin.weight.data
+            lin.weight.data = fused[offset : offset + n]
+            offset += n
+        linears[0]._specdec_fused = fused
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.data for lin in linears])
+    return fused, bias
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors, as the packed forward uses them."""
+    norm1: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) × head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    gate_up: torch.Tensor  # [2 × intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
 class ModelRunner:
     """Owns the model; knows nothing of sessions, sampling or the network."""
 
+    BAND = 64  # chunks up to this many tokens take their causal mask from a table
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
-        if next(model.parameters()).device.type == "cpu":
-            column_major_linears(model)
         cfg = model.config
         self.config = cfg
-        self.layers = model.model.layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        column_major = self.device.type == "cpu"
+        self.layers = [self._layer(layer, column_major) for layer in model.model.layers]
+        if column_major:
+            column_major_linears(model)  # o, down and the LM head
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_length = cfg.max_position_embeddings
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        attn = self.layers[0].self_attn
+        attn = model.model.layers[0].self_attn
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.eps = model.model.norm.variance_epsilon
+        self.act = F.silu if cfg.hidden_act == "silu" else model.model.layers[0].mlp.act_fn
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
                 and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
             self.max_length = cfg.sliding_window  # stay inside full attention
+        self._rope_tables()
+        # query i of a chunk fed at position s sees keys j ≤ s + i, i.e. column j − s + L of
+        # band[i] is set where that is ≤ i + L: any chunk of up to BAND rows is one slice
+        L = self.max_length
+        offsets = torch.arange(L + self.BAND, device=self.device) - L
+        self._band = offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None]
+
+    def _layer(self, layer, column_major: bool) -> _Layer:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], column_major)
+        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], column_major)
+        q_norm = a.q_norm.weight if hasattr(a, "q_norm") else None
+        k_norm = a.k_norm.weight if hasattr(a, "k_norm") else None
+        return _Layer(layer.input_layernorm.weight, qkv, qkv_bias, q_norm, k_norm, a.o_proj.weight,
+                      a.o_proj.bias, layer.post_attention_layernorm.weight, gate_up, gate_up_bias,
+                      mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _rope_tables(self) -> None:
+        """cos and a sign-folded sin for every position: rotate_half(x) · sin equals
+        roll(x, d/2) · [−sin₁, sin₂] exactly, so the rotation is four operators."""
+        rotary = self.model.model.rotary_emb
+        self._rope_static = getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope")
+        self.cos_table = self.sin_table = None
+        if self._rope_static:
+            positions = torch.arange(self.max_length, device=self.device)
+            self.cos_table, self.sin_table = self._rope(positions)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(probe, positions[None])
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
+        return cos[0], sin
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, dtype=self.dtype,
@@ -77,42 +162,68 @@ class ModelRunner:
         lengths = [int(it.tokens.shape[0]) for it in items]
         for it, s, n in zip(items, starts, lengths):
             it.cache.reserve(s + n)
-        ids = torch.cat([it.tokens for it in items]).to(self.device)  # [N]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(self.device)
-        x = self.model.model.embed_tokens(ids)[None]  # [1, N, hidden]
-        cos, sin = self.model.model.rotary_emb(x, positions[None])
-        for layer_idx, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            attn_out = self._attention(layer.self_attn, layer_idx, h, cos, sin, items, starts, lengths)
-            x = x + attn_out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        ends = torch.tensor(lengths).cumsum(0).tolist()
-        rows = torch.cat([torch.arange(e - it.logits_rows, e) for e, it in zip(ends, items)]).to(self.device)
-        hidden = self.model.model.norm(x[0, rows])  # [R, hidden]
-        logits = self.model.lm_head(hidden).float()  # [R, vocab]
+        if len(items) == 1:
+            ids = items[0].tokens.to(self.device)
+            positions = slice(starts[0], starts[0] + lengths[0])
+        else:
+            ids = torch.cat([it.tokens for it in items]).to(self.device)  # [N]
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(self.device)
+        cos, sin = self._rotation(positions)
+        masks = [self._mask(s, n) for s, n in zip(starts, lengths)]
+        x = self.model.model.embed_tokens(ids)  # [N, hidden]
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, x.shape[-1:], layer.norm1, self.eps)
+            x = x + self._attention(layer, index, h, cos, sin, items, starts, lengths, masks)
+            h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, -1)
+            x = x + F.linear(self.act(gate) * up, layer.down, layer.down_bias)
+        rows = [slice(e - it.logits_rows, e) for e, it in zip(torch.tensor(lengths).cumsum(0).tolist(), items)]
+        last = x[rows[0]] if len(items) == 1 else torch.cat([x[r] for r in rows])
+        logits = self.model.lm_head(self.model.model.norm(last)).float()  # [R, vocab]
         for it, s, n in zip(items, starts, lengths):
             it.cache.length = s + n
         return list(logits.split([it.logits_rows for it in items]))
 
-    def _attention(self, attn, layer_idx, h, cos, sin, items, starts, lengths) -> torch.Tensor:
-        N = h.shape[1]
-        q = attn.q_proj(h).view(1, N, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(1, N, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(1, N, self.kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, N, dim]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = torch.empty_like(q)
+    def _mask(self, start: int, n: int) -> torch.Tensor | None:
+        """[n, start + n] causal mask of a chunk fed at `start` (None for one token)."""
+        if n == 1:
+            return None
+        if n <= self.BAND:
+            L = self.max_length
+            return self._band[:n, L - start : L + n]
+        keys = torch.arange(start + n, device=self.device)
+        return keys[None] <= torch.arange(start, start + n, device=self.device)[:, None]
+
+    def _rotation(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, head_dim] cos and sign-folded sin for the fed positions."""
+        if self._rope_static:
+            cos, sin = self.cos_table[positions], self.sin_table[positions]
+        else:
+            if isinstance(positions, slice):
+                positions = torch.arange(positions.start, positions.stop, device=self.device)
+            cos, sin = self._rope(positions)
+        return cos[:, None], sin[:, None]
+
+    def _attention(self, layer: _Layer, index, h, cos, sin, items, starts, lengths, masks) -> torch.Tensor:
+        N, H, KV, D = h.shape[0], self.num_heads, self.kv_heads, self.head_dim
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(N, H + 2 * KV, D)
+        qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
+        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
+            qk = torch.cat([F.rms_norm(qk[:, :H], (D,), layer.q_norm, self.eps),
+                            F.rms_norm(qk[:, H:], (D,), layer.k_norm, self.eps)], 1)
+        qk = qk * cos + qk.roll(D // 2, -1) * sin  # the rotary embedding, q and k at once
+        out = None if len(items) == 1 else torch.empty(N, H, D, dtype=h.dtype, device=h.device)
         offset = 0
-        for it, s, n in zip(items, starts, lengths):
-            it.cache.write(layer_idx, s, k[0, :, offset : offset + n], v[0, :, offset : offset + n])
-            keys, values = it.cache.view(layer_idx, s + n)  # [kv_heads, s+n, dim]
-            mask = None
-            if n > 1:  # causal, with the new queries at the end of the sequence
-                mask = torch.arange(s + n, device=h.device)[None] <= torch.arange(s, s + n, device=h.device)[:, None]
-            out[:, :, offset : offset + n] = F.scaled_dot_product_attention(
-                q[:, :, offset : offset + n], keys[None], values[None], attn_mask=mask,
-                scale=self.scaling, enable_gqa=self.kv_heads != self.num_heads)
+        for it, s, n, mask in zip(items, starts, lengths, masks):
+            chunk = slice(offset, offset + n)
+            it.cache.write(index, s, qk[chunk, H:].transpose(0, 1), v[chunk].transpose(0, 1))
+            keys, values = it.cache.view(index, s + n)  # [kv_heads, s+n, dim]
+            o = F.scaled_dot_product_attention(
+                qk[chunk, :H].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                scale=self.scaling, enable_gqa=KV != H)[0].transpose(0, 1)  # [n, heads, dim]
+            if out is None:
+                out = o
+            else:
+                out[chunk] = o
             offset += n
-        return attn.o_proj(out.transpose(1, 2).reshape(1, N, self.num_heads * self.head_dim))
+        return F.linear(out.reshape(N, H * D), layer.o, layer.o_bias)

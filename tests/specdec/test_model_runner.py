@@ -1,4 +1,5 @@
 """The KV-cache runner against Hugging Face's own forward, on the bundled target."""
+import pytest
 import torch
 
 from specdec.model_runner import ForwardItem, ModelRunner
@@ -51,3 +52,43 @@ def test_cache_bytes_are_known_and_grow_with_length(target_model):
     runner.forward([ForwardItem(cache, torch.zeros(600, dtype=torch.long), 1)])
     assert cache.nbytes > small
     assert cache.nbytes >= 600 * runner.bytes_per_token()
+
+
+def test_causal_mask_table_matches_the_definition(target_model):
+    runner = ModelRunner(target_model)
+    L = runner.max_length
+    for start, n in [(0, 2), (7, 5), (L - 64, 64), (100, runner.BAND), (3, runner.BAND + 9), (5, 1)]:
+        mask = runner._mask(start, n)
+        if n == 1:
+            assert mask is None
+            continue
+        expected = torch.arange(start + n)[None] <= torch.arange(start, start + n)[:, None]
+        assert torch.equal(mask, expected), (start, n)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_llama_family_models_match_hugging_face(family, tmp_path):
+    """Biases (Qwen2), per-head q/k norms (Qwen3), grouped-query attention: a tiny random
+    model of each family, saved and loaded back like any checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    fresh = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # biases start at 0 and norms at 1: make them count
+        for name, param in fresh.named_parameters():
+            if "bias" in name or "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    fresh.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(3))
+    ref = reference_logits(model, ids)
+    runner = ModelRunner(model)
+    cache = runner.new_cache()
+    first = runner.forward([ForwardItem(cache, ids[:24], 24)])[0]
+    rest = runner.forward([ForwardItem(cache, ids[24:], 6)])[0]
+    assert torch.allclose(first, ref[:24], atol=1e-4)
+    assert torch.allclose(rest, ref[24:], atol=1e-4)
+    assert torch.allclose(reference_logits(model, ids), ref)  # the HF modules still work on the fused weights
