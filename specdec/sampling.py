@@ -155,3 +155,22 @@ def verify(
         residual = p_n
     next_token = sample_from(residual, u_resample.to(p.device)[rows, accepted])
     return VerifyResult(accepted=accepted, next_token=next_token)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
+                  gammas: torch.Tensor | None = None) -> VerifyResult:
+    """`verify` for a greedy target, without building a distribution.
+
+    When p is the one-hot of the target's argmax a_i, u·q(x) < p(x) holds iff x = a_i
+    (q(x) ≤ 1 > u), and at the first mismatch the residual max(0, p − q) is the one-hot
+    of a_i again; the bonus is a_{γ+1}. So the outcome depends on neither q nor the
+    uniforms: accept the prefix that matches the argmax, then emit the argmax.
+    draft_tokens [B, γ], target_argmax [B, γ+1], gammas [B] (default γ).
+    """
+    B, G = draft_tokens.shape
+    if gammas is None:
+        gammas = torch.full((B,), G, dtype=torch.long, device=draft_tokens.device)
+    match = (draft_tokens == target_argmax[:, :G]) & (torch.arange(G, device=draft_tokens.device) < gammas[:, None])
+    accepted = match.long().cumprod(-1).sum(-1)
+    next_token = target_argmax.gather(-1, accepted[:, None]).squeeze(-1)
+    return VerifyResult(accepted=accepted, next_token=next_token)

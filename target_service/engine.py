@@ -88,6 +88,31 @@ class TargetEngine:
         return results  # type: ignore[return-value]
 
     def _decide(self, jobs: list[VerifyJob], logits: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Acceptance for the batch: greedy sessions by argmax, the others by the full rule."""
+        out: list[tuple[int, int] | None] = [None] * len(jobs)
+        greedy = [b for b, j in enumerate(jobs) if j.params.greedy]
+        sampled = [b for b, j in enumerate(jobs) if not j.params.greedy]
+        for group, decide in ((greedy, self._decide_greedy), (sampled, self._decide_sampled)):
+            if group:
+                for b, verdict in zip(group, decide([jobs[b] for b in group], [logits[b] for b in group])):
+                    out[b] = verdict
+        return out  # type: ignore[return-value]
+
+    def _decide_greedy(self, jobs: list[VerifyJob], logits: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """No distributions needed (sampling.verify_greedy): pad and compare argmaxes."""
+        B, G = len(jobs), max(len(j.draft_tokens) for j in jobs)
+        device = logits[0].device
+        argmax = torch.zeros(B, G + 1, dtype=torch.long, device=device)
+        draft = torch.full((B, G), -1, dtype=torch.long, device=device)
+        for b, (job, rows) in enumerate(zip(jobs, logits)):
+            argmax[b, : rows.shape[0]] = rows.argmax(-1)
+            if job.draft_tokens:
+                draft[b, : len(job.draft_tokens)] = torch.tensor(job.draft_tokens, device=device)
+        gammas = torch.tensor([len(j.draft_tokens) for j in jobs], device=device)
+        res = sampling.verify_greedy(draft, argmax, gammas)
+        return list(zip(res.accepted.tolist(), res.next_token.tolist()))
+
+    def _decide_sampled(self, jobs: list[VerifyJob], logits: list[torch.Tensor]) -> list[tuple[int, int]]:
         """Batched acceptance over sessions padded to the largest γ."""
         B, G, V = len(jobs), max(len(j.draft_tokens) for j in jobs), self.runner.vocab_size
         device = logits[0].device

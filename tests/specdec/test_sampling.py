@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import sampling
-from specdec.sampling import SamplingParams, logits_to_probs, sample_from, verify
+from specdec.sampling import SamplingParams, logits_to_probs, sample_from, verify, verify_greedy
 
 V = 12
 
@@ -151,3 +151,25 @@ def test_draft_token_is_the_argmax_when_greedy_and_the_draft_streams_draw_otherw
         u = torch.tensor(sampling.uniform(3, position, sampling.STREAM_DRAFT))
         assert sampling.draft_token(probs, t1, position) == int(sample_from(probs, u))
     assert {sampling.draft_token(probs, t1, pos) for pos in range(200)} == {0, 1, 3}  # never the zero
+
+
+def test_verify_greedy_equals_verify_with_a_one_hot_target():
+    """Any draft law q, any uniforms: with a greedy (one-hot) target the full rule and the
+    argmax shortcut give the same accepted length and next token."""
+    gen = torch.Generator().manual_seed(7)
+    B, G, V = 64, 5, 12
+    for _ in range(20):
+        q = torch.rand(B, G, V, generator=gen, dtype=torch.float64) ** 4
+        q /= q.sum(-1, keepdim=True)
+        argmax = torch.randint(0, V, (B, G + 1), generator=gen)
+        p = torch.zeros(B, G + 1, V, dtype=torch.float64).scatter_(-1, argmax[..., None], 1.0)
+        # draft tokens: often the argmax, otherwise any token (zero-mass draws excluded)
+        draft = torch.where(torch.rand(B, G, generator=gen) < 0.7, argmax[:, :G], torch.multinomial(
+            q.view(-1, V), 1, generator=gen).view(B, G))
+        gammas = torch.randint(0, G + 1, (B,), generator=gen)
+        u_acc = torch.rand(B, G, generator=gen, dtype=torch.float64)
+        u_res = torch.rand(B, G + 1, generator=gen, dtype=torch.float64)
+        full = verify(draft, q, p, u_acc, u_res, gammas)
+        short = verify_greedy(draft, argmax, gammas)
+        assert torch.equal(full.accepted, short.accepted)
+        assert torch.equal(full.next_token, short.next_token)
