@@ -1,0 +1,89 @@
+"""The micro-batcher's scheduling: lone calls never wait, a loaded batch waits briefly for
+the sessions of the last batches, small batches run on the event loop's thread."""
+import asyncio
+import threading
+import time
+
+from specdec.batcher import MicroBatcher
+
+
+class Recorder:
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+        self.batches: list[list[str]] = []
+        self.threads: list[str] = []
+
+    def __call__(self, jobs: list[str]) -> list[str]:
+        self.batches.append(list(jobs))
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.seconds)
+        return [j.upper() for j in jobs]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def session(job: str) -> str:
+    return job[0]  # "a1" belongs to session "a"
+
+
+def test_a_lone_session_never_waits_for_company():
+    async def main():
+        rec = Recorder(0.05)
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=60_000, gather=1e6)
+        batcher.start()
+        for i in range(3):  # with a 60 s hold allowed, each call would stall if it were held
+            assert await asyncio.wait_for(batcher.submit(f"a{i}"), 5) == f"A{i}"
+        await batcher.stop()
+        return rec.batches
+
+    assert run(main()) == [["a0"], ["a1"], ["a2"]]
+
+
+def test_a_loaded_batch_waits_for_the_sessions_of_the_last_batch():
+    async def main():
+        rec = Recorder(0.05)
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=60_000, gather=1e6)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))  # one batch of both
+        first = asyncio.ensure_future(batcher.submit("a1"))
+        await asyncio.sleep(0.3)  # b is late: a1 is held for it, not run alone
+        assert not first.done()
+        await asyncio.wait_for(asyncio.gather(first, batcher.submit("b1")), 5)
+        await batcher.stop()
+        return rec.batches
+
+    assert run(main()) == [["a0", "b0"], ["a1", "b1"]]
+
+
+def test_the_hold_is_bounded():
+    async def main():
+        rec = Recorder(0.02)
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=100, gather=1e6)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
+        t0 = time.monotonic()
+        await batcher.submit("a1")  # b never comes back: a1 runs once the 100 ms are up
+        waited = time.monotonic() - t0
+        await batcher.stop()
+        return rec.batches, waited
+
+    batches, waited = run(main())
+    assert batches == [["a0", "b0"], ["a1"]]
+    assert waited < 5
+
+
+def test_small_batches_run_on_the_loop_thread_and_big_ones_on_the_worker():
+    async def main():
+        rec = Recorder()
+        batcher = MicroBatcher(rec, size=len, inline_up_to=4)
+        batcher.start()
+        await batcher.submit("abc")
+        await batcher.submit("abcdefgh")
+        await batcher.stop()
+        return rec.threads
+
+    loop_thread, worker = run(main())
+    assert loop_thread == threading.main_thread().name
+    assert worker.startswith("engine")
