@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 MAX_GAMMA = 8
 # Extra forward cost per verified draft token, as a fraction of a plain decode step of the
-# same batch: on the bundled pair (benchmarks/RESULTS.md, step costs) verifying γ = 4 costs
-# 1.38 steps at batch 1, 1.53 at batch 4 and 2.02 at batch 16, i.e. 0.1 per token plus 0.01
-# per extra session in the batch: a fuller batch leaves less idle compute to verify with.
-VERIFY_TOKEN_SLOPE = 0.1
-VERIFY_TOKEN_SLOPE_PER_SESSION = 0.01
+# same batch: on the bundled pair (benchmarks/RESULTS.md, step costs, 2026-11-30 22:37 UTC)
+# verifying γ = 4 costs 1.59 steps at batch 1, 1.48 at batch 4 and 1.99 at batch 16, i.e.
+# about 0.15 per token plus 0.007 per extra session in the batch: a fuller batch leaves
+# less idle compute to verify with.
+VERIFY_TOKEN_SLOPE = 0.15
+VERIFY_TOKEN_SLOPE_PER_SESSION = 0.007
 
 
 def verify_slope(batch_size: int) -> float:

@@ -18,7 +18,7 @@ def test_costs_split_into_fixed_and_per_token_parts():
     costs = CostModel()
     _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
     for g in range(9):
-        truth = 10.0 * (1 + 0.1 * g) + 2.0 + (g and 2.0 + g * 1.0)
+        truth = 10.0 * (1 + verify_slope(1) * g) + 2.0 + (g and 2.0 + g * 1.0)
         assert abs(costs.round_ms(g) - truth) < 1e-6 * truth
 
 
