@@ -10,10 +10,16 @@ One run over held-out prompts (training.corpus.heldout_prompts), greedy and temp
   (f) the same, target only (num_speculative_tokens = 0)
 
 (d)–(f) run against one LocalStack (real redis-server, one draft and one target replica,
-one orchestrator, as subprocesses) started once after the in-process part, at each
-concurrency c with c concurrent streams; then a γ sweep of (d) at one stream. At
-concurrency c a run has max(prompts, c) requests cycling over the prompts; request i
-carries seed 1000 + i in every system, so (c) and (d) must agree token for token.
+one orchestrator, as subprocesses) started once, at each concurrency c with c concurrent
+streams; then a γ sweep of (d) at one stream. At concurrency c a run has max(prompts, c)
+requests cycling over the prompts; request i carries seed 1000 + i in every system, so
+(c) and (d) must agree token for token.
+
+All of that is measured --repeats times (default 2), the in-process part first on even
+passes and the distributed part first on odd ones, and each run's passes are pooled
+(tokens and wall times add up): a shared machine's speed drifts by 10–20 % over minutes,
+and interleaving lets the drift weigh on every system alike instead of on whichever ran
+during a slow spell.
 
 How each number is computed:
 - tokens/s, time per output token, acceptance rate, α, accepted length, tokens per target
@@ -48,13 +54,14 @@ from benchmarks import report
 from benchmarks.costs import Costs, measure_costs
 from benchmarks.inprocess import build_engines, measure_wire, quiet_transformers, run_hf, run_spec_loop
 from benchmarks.remote import StackClient
-from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_requests
+from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_requests, merge
 from specdec.model_runner import ModelRunner
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_tokenizer, pick_device, pick_dtype
 
 HERE = Path(__file__).resolve().parent
-FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10}
-QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3}
+FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
+        "repeats": 2}
+QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1}
 
 
 def int_list(text: str) -> list[int]:
@@ -81,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--cost-reps", type=int, help="repetitions per timed forward (default 10)")
+    ap.add_argument("--repeats", type=int,
+                    help=f"passes over all systems, interleaved so that a slow spell of a shared machine "
+                         f"hits every system alike; their results are pooled (default {FULL['repeats']})")
     return ap
 
 
@@ -138,7 +148,8 @@ def model_summary(model, path: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the phases
-def in_process_phase(args, draft_model, target_model, tok, requests_for) -> tuple[list[RunResult], dict]:
+def in_process_phase(args, draft_model, target_model, tok, requests_for,
+                     with_wire: bool = True) -> tuple[list[RunResult], dict]:
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
     draft, target = build_engines(draft_model, target_model)
@@ -152,7 +163,8 @@ def in_process_phase(args, draft_model, target_model, tok, requests_for) -> tupl
         log(describe(runs[-1]))
         runs.append(run_spec_loop(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma))
         log(describe(runs[-1]))
-        wire[mode] = measure_wire(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma)
+        if with_wire:
+            wire[mode] = measure_wire(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma)
     return runs, wire
 
 
@@ -178,18 +190,41 @@ async def stack_phase(args, address: str, requests_for) -> tuple[list[RunResult]
     return runs, sweep
 
 
-def run_stack(args, requests_for) -> tuple[list[RunResult], list[RunResult]]:
+def start_stack(args):
     from localstack.stack import LocalStack
 
     extra = {} if args.device == "auto" else {"SPECDEC_DEVICE": args.device}
     stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=args.server_threads, extra_env=extra)
     t0 = time.perf_counter()
+    stack.start()
+    log(f"stack up in {time.perf_counter() - t0:.1f}s (orchestrator {stack.orchestrator_address}, logs in {stack.workdir})")
+    return stack
+
+
+def measure_all(args, draft_model, target_model, tok, requests_for):
+    """`args.repeats` passes over every system; odd passes run the stack first, so that a
+    drift of the machine's speed over the run weighs on the in-process and the distributed
+    systems alike. The passes of each run are pooled (runs.merge)."""
+    stack = start_stack(args)
+    passes, sweeps, wire = [], [], {}
     try:
-        stack.start()
-        log(f"stack up in {time.perf_counter() - t0:.1f}s (orchestrator {stack.orchestrator_address}, logs in {stack.workdir})")
-        return asyncio.run(stack_phase(args, stack.orchestrator_address, requests_for))
+        for rep in range(args.repeats):
+            log(f"pass {rep + 1} of {args.repeats}")
+            in_process = lambda: in_process_phase(args, draft_model, target_model, tok, requests_for,  # noqa: E731
+                                                  with_wire=not wire)
+            distributed = lambda: asyncio.run(stack_phase(args, stack.orchestrator_address, requests_for))  # noqa: E731
+            if rep % 2 == 0:
+                (local, w), (remote, sweep) = in_process(), distributed()
+            else:
+                (remote, sweep), (local, w) = distributed(), in_process()
+            wire = wire or w
+            passes.append(local + remote)
+            sweeps.append(sweep)
     finally:
         stack.stop()
+    runs = [merge(list(group)) for group in zip(*passes)]
+    sweep = [merge(list(group)) for group in zip(*sweeps)]
+    return runs, sweep, wire
 
 
 # ----------------------------------------------------------------------------- derived numbers
@@ -238,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), args.concurrency,
                           sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps)
     log(f"c = {costs.ratio:.3f}: draft step {costs.draft_ms(1):.2f} ms, target step {costs.target_step_ms(1):.2f} ms")
-    runs, wire = in_process_phase(args, draft_model, target_model, tok, requests_for)
-    stack_runs, sweep = run_stack(args, requests_for)
-    runs += stack_runs
+    runs, sweep, wire = measure_all(args, draft_model, target_model, tok, requests_for)
     attach_bounds(runs, sweep, costs, wire, args.gamma)
     meta["elapsed"] = time.perf_counter() - t_start
     report.write_results(args.out, args.plot, args, meta, costs, runs, sweep, wire)

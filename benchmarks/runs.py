@@ -136,3 +136,26 @@ def tried_tokens(accepted_per_round: list[int], gamma: int, max_new: int) -> int
         tried += min(n + 1, g)
         produced += n + 1
     return tried
+
+
+def merge(parts: list[RunResult]) -> RunResult:
+    """One result from repeats of the same run (same system, mode and concurrency),
+    measured at different times: tokens and wall times add up, so tokens/s is the
+    aggregate over all of them, and per-request figures pool."""
+    first = parts[0]
+    out = RunResult(first.system, first.mode, first.concurrency, first.gamma)
+    for p in parts:
+        out.wall_s += p.wall_s
+        out.ms_per_token += p.ms_per_token
+        out.outputs += p.outputs
+        out.rounds += p.rounds
+        out.drafted += p.drafted
+        out.accepted += p.accepted
+        out.target_passes += p.target_passes
+        for stage, ms in p.stage_ms.items():
+            out.stage_ms[stage] = out.stage_ms.get(stage, 0.0) + ms
+    out.tried = None if any(p.tried is None for p in parts) else sum(p.tried for p in parts)
+    if len({p.gamma for p in parts}) > 1:  # an adaptive run: its mean γ over all rounds
+        out.gamma = out.drafted / out.rounds if out.rounds else 0.0
+    out.note = "; ".join(dict.fromkeys(p.note for p in parts if p.note))
+    return out

@@ -3,7 +3,7 @@ import pytest
 
 from benchmarks.costs import Costs, expected_tokens
 from benchmarks.report import check_targets, checks_table
-from benchmarks.runs import RunResult, percentile, tried_tokens
+from benchmarks.runs import RunResult, merge, percentile, tried_tokens
 from benchmarks.wire_meter import RoundBytes, WireLog, WireModel
 
 
@@ -68,3 +68,17 @@ def test_scaling_target_is_not_judged_below_16_streams():
     runs = [_run(s, "greedy", c, 10 * c) for c in (1, 2) for s in "abcdef"]
     check = next(c for c in check_targets(runs, [1, 2]) if c.target.startswith("greedy: (e) at 2 streams"))
     assert check.measured == pytest.approx(2.0) and check.verdict == "n/a"
+
+
+def test_merged_passes_pool_tokens_and_time():
+    a = RunResult("e", "greedy", 1, 3.0, wall_s=2.0, ms_per_token=[5.0], outputs=[[1, 2, 3, 4]], rounds=2,
+                  drafted=6, accepted=4, tried=None, target_passes=2, stage_ms={"draft": 4.0})
+    b = RunResult("e", "greedy", 1, 5.0, wall_s=1.0, ms_per_token=[7.0, 9.0], outputs=[[1, 2], [3, 4]],
+                  rounds=2, drafted=10, accepted=2, tried=None, target_passes=2, stage_ms={"draft": 2.0})
+    m = merge([a, b])
+    assert m.tokens == 8 and m.wall_s == 3.0 and abs(m.tps - 8 / 3) < 1e-12  # not the mean of 2 and 4
+    assert m.ms_per_token == [5.0, 7.0, 9.0] and m.outputs == [[1, 2, 3, 4], [1, 2], [3, 4]]
+    assert m.gamma == 16 / 4  # an adaptive run's mean γ over all rounds
+    assert m.stage_per_round("draft") == 6.0 / 4 and m.tried is None
+    fixed = merge([RunResult("d", "t1", 4, 4, tried=3), RunResult("d", "t1", 4, 4, tried=5)])
+    assert fixed.gamma == 4 and fixed.tried == 8
