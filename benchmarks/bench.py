@@ -60,8 +60,8 @@ from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_token
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
-        "repeats": 2}
-QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1}
+        "repeats": 2, "warm_up": 5.0}
+QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0}
 
 
 def int_list(text: str) -> list[int]:
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--cost-reps", type=int, help="repetitions per timed forward (default 10)")
+    ap.add_argument("--warm-up", type=float,
+                    help=f"seconds of traffic through the stack before each pass's distributed runs "
+                         f"(default {FULL['warm_up']:.0f})")
     ap.add_argument("--repeats", type=int,
                     help=f"passes over all systems, interleaved so that a slow spell of a shared machine "
                          f"hits every system alike; their results are pooled (default {FULL['repeats']})")
@@ -172,7 +175,7 @@ async def stack_phase(args, address: str, requests_for) -> tuple[list[RunResult]
     client = StackClient(address)
     runs, sweep = [], []
     try:
-        await client.warm_up(requests_for(1)[0], args.max_new_tokens)
+        await client.warm_up(requests_for(1), args.max_new_tokens, args.warm_up)
         for mode in args.modes:
             for c in args.concurrency:
                 for system, gamma in (("f", 0), ("d", args.gamma), ("e", None)):

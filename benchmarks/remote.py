@@ -57,9 +57,19 @@ class StackClient:
                 stats = chunk.stats
         return per_round, stats, (time.perf_counter() - t0) * 1000
 
-    async def warm_up(self, r: Request, max_new: int) -> None:
-        for gamma in (None, 0, 4):
-            await self.one(_request(r, "greedy", min(8, max_new), gamma))
+    async def warm_up(self, requests: list[Request], max_new: int, seconds: float) -> None:
+        """Traffic for `seconds` before anything is measured (at least one request of each
+        kind): servers that sat idle while the in-process systems ran come back slow for a
+        while on this kind of machine (measured: the first distributed runs after a minute
+        of idleness were 10–25 % slower than the same runs made straight after others), and
+        the adaptive policy's cost model starts from its measurements."""
+        t0, i = time.perf_counter(), 0
+        while i == 0 or time.perf_counter() - t0 < seconds:
+            r = requests[i % len(requests)]
+            for mode in MODES:
+                for gamma in (None, 0, 4):
+                    await self.one(_request(r, mode, max_new, gamma))
+            i += 1
 
     async def run(self, system: str, requests: list[Request], mode: str, concurrency: int, max_new: int,
                   gamma: int | None) -> RunResult:
