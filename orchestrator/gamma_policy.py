@@ -7,7 +7,13 @@ rounds themselves. γ maximises expected tokens per unit of time,
     E(γ) / (D(γ) + V(γ)),  E(γ) = (1 − α^(γ+1)) / (1 − α),
 
 with D(γ) the draft call's time and V(γ) the verify call's, both measured on the rounds
-themselves (prefill rounds excluded). When the target batches many sessions, the verify
+themselves (prefill rounds excluded). Where a γ has been run often enough, D(γ) and V(γ)
+are simply the measured wall times of calls with that γ; elsewhere a linear model (a fixed
+part per call plus a part per token, split by the compute time the replicas report)
+fills in. The linear model overstates the marginal token on a CPU, where going from one
+row to two changes the matrix kernel and later rows cost little (benchmarks/RESULTS.md,
+step costs), so each session now and then runs one γ above or below its best: the
+measured table then grows around the optimum and the choice climbs to it. When the target batches many sessions, the verify
 time of a round grows with every session's draft tokens, so the measured per-token cost
 rises with load: γ shrinks as the target saturates and reaches 0 (no speculation) when
 drafting no longer pays, and grows again as load falls.
@@ -43,13 +49,19 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+EXPLORE_EVERY = 8  # every 8th adaptive round of a session tries a neighbour of its best γ
+MEASURED_AFTER = 4  # calls with a given γ before their measured time replaces the model
+
+
 @dataclass
 class Ema:
     value: float | None = None
     weight: float = 0.1
+    count: int = 0
 
     def update(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+        self.count += 1
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
@@ -63,6 +75,8 @@ class CostModel:
     verify_base: Ema = field(default_factory=Ema)  # ms of a verify call with no draft
     verify_token: Ema = field(default_factory=Ema)  # extra ms per draft token verified
     batch: Ema = field(default_factory=Ema)  # sessions per verify batch
+    draft_by_gamma: dict[int, Ema] = field(default_factory=dict)  # ms of a whole draft call, per γ
+    verify_by_gamma: dict[int, Ema] = field(default_factory=dict)  # ms of a whole verify call, per γ
 
     def observe_draft(self, gamma: int, ms: float, compute_ms: float) -> None:
         """A draft call of γ tokens took `ms` here, `compute_ms` of it in the replica's engine.
@@ -75,6 +89,7 @@ class CostModel:
             compute_ms = 0.7 * ms
         self.draft_step.update(compute_ms / gamma)
         self.draft_call.update(ms - compute_ms)
+        self.draft_by_gamma.setdefault(gamma, Ema()).update(ms)
 
     def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float) -> None:
         """A verify call with γ draft tokens took `ms`, `compute_ms` of it in the engine (the
@@ -89,12 +104,23 @@ class CostModel:
         step = compute_ms / (1 + slope * gamma)
         self.verify_base.update(ms - compute_ms + step)
         self.verify_token.update(slope * step)
+        self.verify_by_gamma.setdefault(gamma, Ema()).update(ms)
+
+    @staticmethod
+    def _measured(table: dict[int, Ema], gamma: int) -> float | None:
+        ema = table.get(gamma)
+        return ema.value if ema is not None and ema.count >= MEASURED_AFTER else None
 
     def round_ms(self, gamma: int) -> float:
-        verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
+        verify = self._measured(self.verify_by_gamma, gamma)
+        if verify is None:
+            verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
         if gamma == 0:
             return verify
-        return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0) + verify
+        draft = self._measured(self.draft_by_gamma, gamma)
+        if draft is None:
+            draft = self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)
+        return draft + verify
 
 
 REFERENCE = None  # set below: the cost model a deterministic policy uses
@@ -106,6 +132,7 @@ class SessionPolicy:
     accepted: float = 3.0  # Beta(3, 1) prior: optimistic until measured
     trials: float = 4.0
     rounds_at_zero: int = 0
+    rounds: int = 0
     max_gamma: int = MAX_GAMMA
     deterministic: bool = False  # seeded sampling: ignore measured costs
 
@@ -126,6 +153,11 @@ class SessionPolicy:
         if self.deterministic:
             costs = REFERENCE
         best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(self.alpha, g) / costs.round_ms(g))
+        self.rounds += 1
+        if best > 0 and not self.deterministic and self.rounds % EXPLORE_EVERY == 0:
+            # a neighbour, above and below by turns, so that its cost gets measured
+            step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
+            return min(self.max_gamma, max(0, best + step))
         if best == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero % 16 == 0:

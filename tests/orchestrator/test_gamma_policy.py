@@ -1,6 +1,7 @@
 """Adaptive γ: the cost model recovers per-call and per-token costs from what the rounds
 report, and the policy picks the γ that maximises expected tokens per millisecond."""
-from orchestrator.gamma_policy import CostModel, SessionPolicy, expected_tokens, verify_slope
+from orchestrator.gamma_policy import (EXPLORE_EVERY, MEASURED_AFTER, CostModel, SessionPolicy, expected_tokens,
+                                       verify_slope)
 
 
 def _observe(costs: CostModel, gammas, net: float, draft_step: float, target_step: float, batch: int):
@@ -39,3 +40,45 @@ def test_gamma_shrinks_as_the_target_saturates_and_speculation_stops():
     policy = _policy(0.15)
     picks = [policy.choose(busy) for _ in range(32)]
     assert picks.count(0) == 30 and picks.count(2) == 2  # off, with a short probe every 16 rounds
+
+
+def test_measured_times_per_gamma_replace_the_linear_model():
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    modelled = costs.round_ms(6)
+    for _ in range(MEASURED_AFTER):  # γ = 6 turns out much cheaper than the linear model says
+        costs.observe_draft(6, 5.0, 4.0)
+        costs.observe_verify(6, 12.0, 1, 11.0)
+    assert costs.round_ms(6) == 5.0 + 12.0 < modelled
+
+
+def test_the_choice_climbs_to_a_better_gamma_that_only_measuring_reveals():
+    """Per-token costs look steep from γ = 2 alone; in truth they flatten out. Exploring
+    the neighbours of the best γ measures them, and the choice moves up."""
+    def true_round_ms(g: int) -> float:
+        return 12.0 + (g and 3.0 + 0.3 * g)  # cheap extra tokens
+    costs = CostModel()
+    policy = _policy(0.85)
+    for g in [2] * 50:  # what the linear model learns from γ = 2: 2 ms per extra token
+        costs.observe_draft(g, 3.0 + 2.0 * g, 2.0 * g)
+        costs.observe_verify(g, 12.0 + 0.3 * g, 1, 10.0 + 0.3 * g)
+    first = policy.choose(costs)
+    for _ in range(400):
+        g = policy.choose(costs)
+        if g:
+            costs.observe_draft(g, 3.0 + 0.2 * g, 0.2 * g)
+            costs.observe_verify(g, true_round_ms(g) - 3.0 - 0.2 * g, 1, 9.0)
+    best = max(range(9), key=lambda g: expected_tokens(0.85, g) / true_round_ms(g))
+    assert first < best
+    assert policy.choose(costs) in (best - 1, best, best + 1)
+
+
+def test_exploration_tries_both_neighbours_now_and_then_and_never_when_deterministic():
+    costs = CostModel()
+    _observe(costs, [3] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    policy = _policy(0.7)
+    best = max(range(9), key=lambda g: expected_tokens(0.7, g) / costs.round_ms(g))
+    picks = [policy.choose(costs) for _ in range(8 * EXPLORE_EVERY)]
+    assert picks.count(best + 1) == 4 and picks.count(best - 1) == 4 and picks.count(best) == len(picks) - 8
+    seeded = SessionPolicy(accepted=700.0, trials=1000.0, deterministic=True)
+    assert len({seeded.choose(costs) for _ in range(8 * EXPLORE_EVERY)}) == 1
