@@ -13,7 +13,12 @@ part per call plus a part per token, split by the compute time the replicas repo
 fills in. The linear model overstates the marginal token on a CPU, where going from one
 row to two changes the matrix kernel and later rows cost little (benchmarks/RESULTS.md,
 step costs), so each session now and then runs one γ above or below its best: the
-measured table then grows around the optimum and the choice climbs to it. When the target batches many sessions, the verify
+measured table then grows around the optimum and the choice climbs to it. Only while the
+replicas serve one session per batch, though: in a shared batch a session's own γ barely
+changes its own wall time (it waits for the batch), while every session's γ together sets
+the batch's cost, so under load the measured table would call extra tokens free and push
+every γ up (measured at 16 streams: mean γ 6.1, and slower than target-only decoding).
+There the linear model, whose per-token cost grows with the batch, decides. When the target batches many sessions, the verify
 time of a round grows with every session's draft tokens, so the measured per-token cost
 rises with load: γ shrinks as the target saturates and reaches 0 (no speculation) when
 drafting no longer pays, and grows again as load falls.
@@ -51,6 +56,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 EXPLORE_EVERY = 8  # every 8th adaptive round of a session tries a neighbour of its best γ
 MEASURED_AFTER = 4  # calls with a given γ before their measured time replaces the model
+ALONE_BELOW = 1.5  # mean sessions per verify batch under which the measured times are used
 
 
 @dataclass
@@ -111,13 +117,19 @@ class CostModel:
         ema = table.get(gamma)
         return ema.value if ema is not None and ema.count >= MEASURED_AFTER else None
 
+    @property
+    def alone(self) -> bool:
+        """Sessions have the target's batches to themselves (no load)."""
+        return self.batch.get(1.0) < ALONE_BELOW
+
     def round_ms(self, gamma: int) -> float:
-        verify = self._measured(self.verify_by_gamma, gamma)
+        measured = self.alone
+        verify = self._measured(self.verify_by_gamma, gamma) if measured else None
         if verify is None:
             verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
         if gamma == 0:
             return verify
-        draft = self._measured(self.draft_by_gamma, gamma)
+        draft = self._measured(self.draft_by_gamma, gamma) if measured else None
         if draft is None:
             draft = self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)
         return draft + verify
@@ -154,7 +166,7 @@ class SessionPolicy:
             costs = REFERENCE
         best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(self.alpha, g) / costs.round_ms(g))
         self.rounds += 1
-        if best > 0 and not self.deterministic and self.rounds % EXPLORE_EVERY == 0:
+        if best > 0 and not self.deterministic and costs.alone and self.rounds % EXPLORE_EVERY == 0:
             # a neighbour, above and below by turns, so that its cost gets measured
             step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
             return min(self.max_gamma, max(0, best + step))

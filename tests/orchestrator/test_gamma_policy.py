@@ -82,3 +82,16 @@ def test_exploration_tries_both_neighbours_now_and_then_and_never_when_determini
     assert picks.count(best + 1) == 4 and picks.count(best - 1) == 4 and picks.count(best) == len(picks) - 8
     seeded = SessionPolicy(accepted=700.0, trials=1000.0, deterministic=True)
     assert len({seeded.choose(costs) for _ in range(8 * EXPLORE_EVERY)}) == 1
+
+
+def test_under_load_the_model_decides_and_nobody_explores():
+    """In shared batches a session's own wall time hides what its tokens cost the others."""
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=30.0, batch=16)
+    modelled = costs.round_ms(6)
+    for _ in range(2 * MEASURED_AFTER):
+        costs.observe_draft(6, 5.0, 4.0)
+        costs.observe_verify(6, 12.0, 16, 11.0)
+    assert not costs.alone and abs(costs.round_ms(6) - modelled) / modelled < 0.5
+    policy = _policy(0.7)
+    assert len({policy.choose(costs) for _ in range(4 * EXPLORE_EVERY)}) == 1
