@@ -26,12 +26,12 @@ Result = TypeVar("Result")
 
 class MicroBatcher(Generic[Job, Result]):
     def __init__(self, run_batch: Callable[[list[Job]], list[Result]], max_batch: int = 64,
-                 on_batch: Callable[[int], None] | None = None, key: Callable[[Job], Hashable] | None = None,
+                 on_batch: Callable[[int, float, float], None] | None = None, key: Callable[[Job], Hashable] | None = None,
                  max_wait_ms: float = 0.0, gather: float = 0.5, size: Callable[[Job], int] | None = None,
                  inline_up_to: int = 0) -> None:
         self.run_batch = run_batch
         self.max_batch = max_batch
-        self.on_batch = on_batch
+        self.on_batch = on_batch  # (sessions, engine seconds, seconds held for company)
         self.key = key  # the session a job belongs to; None: never hold a batch
         self.max_wait = max_wait_ms / 1000
         self.gather = gather
@@ -62,17 +62,19 @@ class MicroBatcher(Generic[Job, Result]):
         """Sessions the recent batches served: who is likely on the way back."""
         return len(frozenset().union(*self._recent)) if self._recent else 0
 
-    async def _hold(self) -> None:
-        """Wait a little for sessions that were in the last batches and are not queued yet."""
+    async def _hold(self) -> float:
+        """Wait a little for sessions that were in the last batches and are not queued yet;
+        → the seconds waited."""
         if self.key is None or self.max_wait <= 0:
-            return
+            return 0.0
         expected = self._expected()
         queued = {self.key(job) for job, _ in self._queue}
         if len(queued) >= min(expected, self.max_batch):
-            return
+            return 0.0
         wait = min(self.max_wait, self.gather * self._batch_seconds)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
+        start = loop.time()
+        deadline = start + wait
         while len(queued) < min(expected, self.max_batch):
             left = deadline - loop.time()
             if left <= 0:
@@ -83,6 +85,7 @@ class MicroBatcher(Generic[Job, Result]):
             except asyncio.TimeoutError:
                 break
             queued = {self.key(job) for job, _ in self._queue}
+        return loop.time() - start
 
     def _inline(self, jobs: list[Job]) -> bool:
         """A small batch runs on the event loop's own thread. In a worker thread its few
@@ -98,7 +101,7 @@ class MicroBatcher(Generic[Job, Result]):
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
-                await self._hold()
+                held = await self._hold()
                 batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
                 live = [(job, fut) for job, fut in batch if not fut.cancelled()]
                 if not live:
@@ -120,7 +123,7 @@ class MicroBatcher(Generic[Job, Result]):
                 if self.key is not None:
                     self._recent.append(frozenset(self.key(job) for job, _ in live))
                 if self.on_batch:
-                    self.on_batch(len(live))
+                    self.on_batch(len(live), seconds, held)
                 for (_, fut), res in zip(live, results):
                     if not fut.done():
                         fut.set_result(res)

@@ -12,6 +12,9 @@ REPLICA_QUEUE = Gauge("specdec_replica_queue_length", "Calls waiting for the eng
 BATCH_SIZE = Histogram("specdec_batch_size", "Sessions per engine batch", ["pool"],
                        buckets=(1, 2, 4, 8, 16, 32, 64))
 ENGINE_SECONDS = Histogram("specdec_engine_seconds", "Engine time per batch", ["pool"], buckets=LATENCY_BUCKETS)
+BATCH_HOLD_SECONDS = Histogram("specdec_batch_hold_seconds",
+                               "Time a batch was held for sessions of the last batches (held batches only)",
+                               ["pool"], buckets=LATENCY_BUCKETS)
 EVICTIONS = Counter("specdec_replica_evictions_total", "Idle sessions evicted (LRU)", ["pool"])
 
 # orchestrator

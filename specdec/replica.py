@@ -44,6 +44,10 @@ class ReplicaHost:
         self.pool = args.pool
         self.address = args.advertise_address or f"127.0.0.1:{args.port}"
         self._batch_sizes = metrics.BATCH_SIZE.labels(self.pool)
+        self._engine_seconds = metrics.ENGINE_SECONDS.labels(self.pool)
+        self._held_seconds = metrics.BATCH_HOLD_SECONDS.labels(self.pool)
+        self._evictions = metrics.EVICTIONS.labels(self.pool)
+        self._evictions_seen = 0
         self.batcher = MicroBatcher(run_batch, max_batch=args.max_batch, on_batch=self._on_batch,
                                     key=lambda job: job.ref.session_id, max_wait_ms=args.batch_wait_ms,
                                     size=job_tokens, inline_up_to=args.inline_tokens)
@@ -51,10 +55,17 @@ class ReplicaHost:
         self.redis = redis_client(args.redis_url, args.redis_password_file)
         self.heartbeat = Heartbeat(Registry(self.redis), self.info)
 
-    def _on_batch(self, size: int) -> None:
-        # per batch only the histogram (a pre-bound child); the session and cache gauges,
-        # a walk over every session, follow the heartbeat in info()
+    def _on_batch(self, size: int, seconds: float, held: float) -> None:
+        # per batch only pre-bound children; the session and cache gauges, a walk over
+        # every session, follow the heartbeat in info()
         self._batch_sizes.observe(size)
+        self._engine_seconds.observe(seconds)
+        if held > 0:
+            self._held_seconds.observe(held)
+        evictions = self.engine.sessions.evictions
+        if evictions > self._evictions_seen:
+            self._evictions.inc(evictions - self._evictions_seen)
+            self._evictions_seen = evictions
 
     def info(self) -> ReplicaInfo:
         """The load this replica reports to the registry (every heartbeat); the gauges too."""

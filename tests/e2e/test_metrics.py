@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import urllib.request
 
+import grpc
 import pytest
 
 from localstack.stack import free_port
+from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from tests.e2e.helpers import api, request
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +26,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_metrics_count_rounds_acceptance_and_cache(local_stack):
     orch_port, target_port = free_port(), free_port()
     orch = local_stack.start_orchestrator(extra=["--metrics-port", str(orch_port)])
-    target = local_stack.start_replica("target", extra=["--metrics-port", str(target_port)])
+    target = local_stack.start_replica("target", extra=["--metrics-port", str(target_port), "--max-sessions", "1"])
     try:
         r = api(orch.address).Generate(request("def area(r):\n", 24, 0.0, gamma=4), timeout=120)
         m = scrape(orch_port)
@@ -34,9 +36,19 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
         assert 'specdec_requests_total{code="OK",method="Generate"}' in m
         assert m["specdec_gamma_count"] >= r.stats.rounds
         assert "specdec_stage_seconds_bucket{le=\"0.01\",stage=\"verify\"}" in m
+        stub = replica_pb2_grpc.TargetStub(grpc.insecure_channel(target.address))
+        for session in ("metrics-a", "metrics-b"):  # room for one: the second evicts the first
+            stub.Verify(replica_pb2.VerifyRequest(
+                cache=replica_pb2.CacheRef(session_id=session, epoch=1, start=0, tokens=[5, 6, 7]),
+                sampling=replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)), timeout=60)
         replica = scrape(target_port)
-        assert replica['specdec_replica_sessions{pool="target"}'] >= 0
+        assert replica['specdec_replica_sessions{pool="target"}'] >= 0  # follows the heartbeat
         assert 'specdec_replica_queue_length{pool="target"}' in replica
+        assert replica['specdec_batch_size_count{pool="target"}'] >= 2
+        assert replica['specdec_engine_seconds_count{pool="target"}'] >= 2
+        assert replica['specdec_engine_seconds_sum{pool="target"}'] > 0
+        assert replica['specdec_replica_evictions_total{pool="target"}'] >= 1
+        assert 'specdec_batch_hold_seconds_count{pool="target"}' in replica
     finally:
         for rep, group in ((orch, local_stack.orchestrators), (target, local_stack.replicas)):
             local_stack.kill(rep, sig=15)
