@@ -13,7 +13,9 @@ part per call plus a part per token, split by the compute time the replicas repo
 fills in. The linear model overstates the marginal token on a CPU, where going from one
 row to two changes the matrix kernel and later rows cost little (benchmarks/RESULTS.md,
 step costs), so each session now and then runs one γ above or below its best: the
-measured table then grows around the optimum and the choice climbs to it. Only while the
+measured table then grows around the optimum and the choice climbs to it. Where the table
+has no entry yet, the model is scaled by how far off it is where both are known, so that
+the two sources agree. Only while the
 replicas serve one session per batch, though: in a shared batch a session's own γ barely
 changes its own wall time (it waits for the batch), while every session's γ together sets
 the batch's cost, so under load the measured table would call extra tokens free and push
@@ -122,17 +124,29 @@ class CostModel:
         """Sessions have the target's batches to themselves (no load)."""
         return self.batch.get(1.0) < ALONE_BELOW
 
+    def _model_verify(self, gamma: int) -> float:
+        return self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
+
+    def _model_draft(self, gamma: int) -> float:
+        return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)
+
+    def _calibrated(self, table: dict[int, Ema], model, gamma: int) -> float:
+        """The measured time for γ, or the model's scaled by how far it is off where both
+        are known: a table filled at some γ and a model elsewhere must not disagree by
+        construction, or the choice drifts towards wherever the model is optimistic."""
+        value = self._measured(table, gamma)
+        if value is not None:
+            return value
+        ratios = [m / model(g) for g in table if (m := self._measured(table, g)) is not None and model(g) > 0]
+        return model(gamma) * (sum(ratios) / len(ratios) if ratios else 1.0)
+
     def round_ms(self, gamma: int) -> float:
-        measured = self.alone
-        verify = self._measured(self.verify_by_gamma, gamma) if measured else None
-        if verify is None:
-            verify = self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
-        if gamma == 0:
-            return verify
-        draft = self._measured(self.draft_by_gamma, gamma) if measured else None
-        if draft is None:
-            draft = self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)
-        return draft + verify
+        if not self.alone:
+            verify, draft = self._model_verify(gamma), self._model_draft(gamma)
+        else:
+            verify = self._calibrated(self.verify_by_gamma, self._model_verify, gamma)
+            draft = self._calibrated(self.draft_by_gamma, self._model_draft, gamma)
+        return verify if gamma == 0 else draft + verify
 
 
 REFERENCE = None  # set below: the cost model a deterministic policy uses

@@ -95,3 +95,21 @@ def test_under_load_the_model_decides_and_nobody_explores():
     assert not costs.alone and abs(costs.round_ms(6) - modelled) / modelled < 0.5
     policy = _policy(0.7)
     assert len({policy.choose(costs) for _ in range(4 * EXPLORE_EVERY)}) == 1
+
+
+def test_unmeasured_gammas_take_the_model_scaled_to_the_measurements():
+    from orchestrator.gamma_policy import Ema
+
+    costs = CostModel()
+    for ema, value in ((costs.draft_call, 2.0), (costs.draft_step, 1.0), (costs.verify_base, 10.0),
+                       (costs.verify_token, 1.0), (costs.batch, 1.0)):
+        ema.update(value)
+    model_3 = costs.round_ms(3)  # 2 + 3 + 10 + 3 = 18
+    # γ = 4 measured 20 % dearer than the model's 6 + 14 ms
+    costs.draft_by_gamma[4] = Ema(value=1.2 * 6.0, count=MEASURED_AFTER)
+    costs.verify_by_gamma[4] = Ema(value=1.2 * 14.0, count=MEASURED_AFTER)
+    assert model_3 == 18.0
+    assert abs(costs.round_ms(3) - 1.2 * 18.0) < 1e-9
+    assert abs(costs.round_ms(0) - 1.2 * 10.0) < 1e-9  # the verify-only round, scaled alike
+    costs.batch.value = 16.0  # under load: the plain model again
+    assert costs.round_ms(3) == 18.0
