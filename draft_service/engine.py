@@ -26,6 +26,11 @@ class ProposeJob:
     gamma: int
     params: sampling.SamplingParams
 
+    @property
+    def forward_size(self) -> int:
+        """The size of this job's share of the forwards: pending tokens plus γ steps."""
+        return len(self.ref.tokens) + self.gamma
+
 
 @dataclass
 class Proposal:

@@ -7,23 +7,25 @@ rounds themselves. γ maximises expected tokens per unit of time,
     E(γ) / (D(γ) + V(γ)),  E(γ) = (1 − α^(γ+1)) / (1 − α),
 
 with D(γ) the draft call's time and V(γ) the verify call's, both measured on the rounds
-themselves (prefill rounds excluded). Where a γ has been run often enough, D(γ) and V(γ)
-are simply the measured wall times of calls with that γ; elsewhere a linear model (a fixed
-part per call plus a part per token, split by the compute time the replicas report)
-fills in. The linear model overstates the marginal token on a CPU, where going from one
-row to two changes the matrix kernel and later rows cost little (benchmarks/RESULTS.md,
-step costs), so each session now and then runs one γ above or below its best: the
-measured table then grows around the optimum and the choice climbs to it. Where the table
-has no entry yet, the model is scaled by how far off it is where both are known, so that
-the two sources agree. Only while the
-replicas serve one session per batch, though: in a shared batch a session's own γ barely
-changes its own wall time (it waits for the batch), while every session's γ together sets
-the batch's cost, so under load the measured table would call extra tokens free and push
-every γ up (measured at 16 streams: mean γ 6.1, and slower than target-only decoding).
-There the linear model, whose per-token cost grows with the batch, decides. When the target batches many sessions, the verify
-time of a round grows with every session's draft tokens, so the measured per-token cost
-rises with load: γ shrinks as the target saturates and reaches 0 (no speculation) when
-drafting no longer pays, and grows again as load falls.
+themselves (prefill rounds excluded).
+
+While the replicas serve one session per batch, D(γ) and V(γ) are simply the measured
+wall times of calls with that γ, once it has been run often enough. Elsewhere a linear
+model (a fixed part per call plus a part per token, split by the compute time the
+replicas report) fills in, scaled by how far off it is where both are known, so that the
+two sources agree. The linear model overstates the marginal token on a CPU, where going
+from one row to two changes the matrix kernel and later rows cost little
+(benchmarks/RESULTS.md, step costs), so each session now and then runs one γ above or
+below its best: the measured table then grows around the optimum and the choice climbs
+to it.
+
+In a shared batch, though, a session's own γ barely changes its own wall time (it waits
+for the batch), while every session's γ together sets the batch's cost: the measured
+table would call extra tokens free and push every γ up (measured at 16 streams: mean γ
+6.1, and slower than target-only decoding). Under load the linear model alone decides.
+There the verify time of a round grows with every session's draft tokens, so the
+per-token cost rises with load: γ shrinks as the target saturates and reaches 0 (no
+speculation) when drafting no longer pays, and grows again as load falls.
 A session at γ = 0 probes with a short draft now and then so its α stays current.
 
 Reproducibility: which token a seeded sample yields depends on where round boundaries

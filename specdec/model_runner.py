@@ -16,6 +16,7 @@ tests/specdec/test_model_runner.py checks the logits), only with fewer dispatche
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,7 @@ class ModelRunner:
             h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, -1)
             x = x + F.linear(self.act(gate) * up, layer.down, layer.down_bias)
-        rows = [slice(e - it.logits_rows, e) for e, it in zip(torch.tensor(lengths).cumsum(0).tolist(), items)]
+        rows = [slice(e - it.logits_rows, e) for e, it in zip(accumulate(lengths), items)]
         last = x[rows[0]] if len(items) == 1 else torch.cat([x[r] for r in rows])
         logits = self.model.lm_head(self.model.model.norm(last)).float()  # [R, vocab]
         for it, s, n in zip(items, starts, lengths):

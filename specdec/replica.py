@@ -32,11 +32,6 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     return runner
 
 
-def job_tokens(job) -> int:
-    """Tokens a draft or verify job feeds through the model (its forward's size)."""
-    return len(job.ref.tokens) + max(getattr(job, "gamma", 0), len(getattr(job, "draft_tokens", ())))
-
-
 class ReplicaHost:
     def __init__(self, args: argparse.Namespace, engine, run_batch, service_name: str) -> None:
         self.args = args
@@ -50,7 +45,7 @@ class ReplicaHost:
         self._evictions_seen = 0
         self.batcher = MicroBatcher(run_batch, max_batch=args.max_batch, on_batch=self._on_batch,
                                     key=lambda job: job.ref.session_id, max_wait_ms=args.batch_wait_ms,
-                                    size=job_tokens, inline_up_to=args.inline_tokens)
+                                    size=lambda job: job.forward_size, inline_up_to=args.inline_tokens)
         self.shell = ServerShell([service_name])
         self.redis = redis_client(args.redis_url, args.redis_password_file)
         self.heartbeat = Heartbeat(Registry(self.redis), self.info)

@@ -26,6 +26,11 @@ class VerifyJob:
     q: torch.Tensor | None  # [γ, V] float64 draft distributions, None when γ = 0
     params: sampling.SamplingParams
 
+    @property
+    def forward_size(self) -> int:
+        """The size of this job's share of the forward: pending tokens plus the draft."""
+        return len(self.ref.tokens) + len(self.draft_tokens)
+
 
 @dataclass
 class Verdict:
