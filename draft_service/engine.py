@@ -74,18 +74,19 @@ class DraftEngine:
         step = 0
         while live:
             items = [ForwardItem(caches[i], feed[i], 1) for i in live]
-            logits = self.runner.forward(items)
+            logits = self.runner.forward_packed(items)  # [live, V]
             self.forward_passes += 1
             self.fed_tokens += sum(len(it.tokens) for it in items)
+            # the whole batch's step at once: one set of operators per sampling law, not per session
+            params = [jobs[i].params for i in live]
+            q16 = quantize(sampling.probs_rows(logits, params))  # [live, V]
+            tokens = sampling.draft_tokens_rows(q16, params, [caches[i].length for i in live]).cpu()
             still = []
-            for i, row in zip(live, logits):
-                job = jobs[i]
-                q16 = quantize(sampling.logits_to_probs(row[0], job.params))  # [V]
-                token = sampling.draft_token(q16, job.params, caches[i].length)  # at the position being drafted
+            for row, (i, token) in enumerate(zip(live, tokens.tolist())):
                 drafted[i][0].append(token)
-                drafted[i][1].append(q16)
-                if step + 1 < job.gamma:
-                    feed[i] = torch.tensor([token], dtype=torch.long)
+                drafted[i][1].append(q16[row])
+                if step + 1 < jobs[i].gamma:
+                    feed[i] = tokens[row : row + 1]
                     still.append(i)
             live = still
             step += 1

@@ -3,6 +3,10 @@
 Like gpt-fast's static cache, rollback after a rejection copies nothing: `truncate`
 moves the length back and the next write overwrites the rejected slots. The buffer
 grows by doubling, so a session costs memory in proportion to its length.
+
+Keys and values of a layer share one buffer ([2 × kv_heads, capacity, head_dim]: keys,
+then values), in the order the fused q/k/v projection produces them, so that a forward
+writes a session's new keys and values with one copy per layer instead of two.
 """
 from __future__ import annotations
 
@@ -17,17 +21,16 @@ class KVCache:
         self.max_length = max_length
         self.length = 0
         cap = min(capacity, max_length)
-        self.keys = torch.empty(layers, kv_heads, cap, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
+        self.kv = torch.empty(layers, 2 * kv_heads, cap, head_dim, dtype=dtype, device=device)
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.kv.shape[2]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by this session's buffers (allocated, not only used)."""
-        return 2 * self.keys.numel() * self.keys.element_size()
+        """Bytes held by this session's buffer (allocated, not only used)."""
+        return self.kv.numel() * self.kv.element_size()
 
     def reserve(self, length: int) -> None:
         """Make room for `length` positions (doubling), keeping what is stored."""
@@ -40,11 +43,9 @@ class KVCache:
             cap *= 2
         cap = min(cap, self.max_length)
         layers, heads, dim = self.shape
-        keys = torch.empty(layers, heads, cap, dim, dtype=self.dtype, device=self.device)
-        values = torch.empty_like(keys)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
+        kv = torch.empty(layers, 2 * heads, cap, dim, dtype=self.dtype, device=self.device)
+        kv[:, :, : self.length] = self.kv[:, :, : self.length]
+        self.kv = kv
 
     def truncate(self, length: int) -> None:
         """Roll back to `length` positions; nothing is copied."""
@@ -52,12 +53,12 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
 
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values: [kv_heads, n, head_dim] for positions start .. start+n-1."""
-        n = keys.shape[1]
-        self.keys[layer, :, start : start + n] = keys
-        self.values[layer, :, start : start + n] = values
+    def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
+        """kv: [2 × kv_heads, n, head_dim], keys then values, for positions start .. start+n-1."""
+        self.kv[layer, :, start : start + kv.shape[1]] = kv
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[kv_heads, end, head_dim] views of positions 0 .. end-1 (no copy)."""
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+        """[kv_heads, end, head_dim] views of the keys and values of positions 0 .. end-1
+        (no copy)."""
+        heads = self.shape[1]
+        return self.kv[layer, :heads, :end], self.kv[layer, heads:, :end]

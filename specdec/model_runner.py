@@ -156,9 +156,14 @@ class ModelRunner:
     def bytes_per_token(self) -> int:
         return 2 * len(self.layers) * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
-    @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Feed each item's tokens and return, per item, [logits_rows, vocab] float32 logits."""
+        return list(self.forward_packed(items).split([it.logits_rows for it in items]))
+
+    @torch.inference_mode()
+    def forward_packed(self, items: list[ForwardItem]) -> torch.Tensor:
+        """`forward`, with the logits of all items as one [Σ logits_rows, vocab] tensor, in
+        item order: what a caller that treats the rows as a batch wants."""
         starts = [it.cache.length for it in items]
         lengths = [int(it.tokens.shape[0]) for it in items]
         for it, s, n in zip(items, starts, lengths):
@@ -168,7 +173,8 @@ class ModelRunner:
             positions = slice(starts[0], starts[0] + lengths[0])
         else:
             ids = torch.cat([it.tokens for it in items]).to(self.device)  # [N]
-            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(self.device)
+            positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
+                                     device=self.device)
         cos, sin = self._rotation(positions)
         masks = [self._mask(s, n) for s, n in zip(starts, lengths)]
         x = self.model.model.embed_tokens(ids)  # [N, hidden]
@@ -183,7 +189,7 @@ class ModelRunner:
         logits = self.model.lm_head(self.model.model.norm(last)).float()  # [R, vocab]
         for it, s, n in zip(items, starts, lengths):
             it.cache.length = s + n
-        return list(logits.split([it.logits_rows for it in items]))
+        return logits
 
     def _mask(self, start: int, n: int) -> torch.Tensor | None:
         """[n, start + n] causal mask of a chunk fed at `start` (None for one token)."""
@@ -208,23 +214,25 @@ class ModelRunner:
     def _attention(self, layer: _Layer, index, h, cos, sin, items, starts, lengths, masks) -> torch.Tensor:
         N, H, KV, D = h.shape[0], self.num_heads, self.kv_heads, self.head_dim
         qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(N, H + 2 * KV, D)
-        qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
+        qk = qkv[:, : H + KV]
         if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
-            qk = torch.cat([F.rms_norm(qk[:, :H], (D,), layer.q_norm, self.eps),
-                            F.rms_norm(qk[:, H:], (D,), layer.k_norm, self.eps)], 1)
-        qk = qk * cos + qk.roll(D // 2, -1) * sin  # the rotary embedding, q and k at once
-        out = None if len(items) == 1 else torch.empty(N, H, D, dtype=h.dtype, device=h.device)
+            qk.copy_(torch.cat([F.rms_norm(qk[:, :H], (D,), layer.q_norm, self.eps),
+                                F.rms_norm(qk[:, H:], (D,), layer.k_norm, self.eps)], 1))
+        # the rotary embedding of q and k, in place: qkv then holds each token's keys and
+        # values side by side, as the cache stores them (one write per session and layer).
+        # The same operators as qk · cos + roll(qk) · sin, so the same numbers.
+        turned = qk.roll(D // 2, -1).mul_(sin)
+        qk.mul_(cos).add_(turned)
+        kv = qkv[:, H:].transpose(0, 1)  # [2 × kv_heads, N, dim]
+        q = qk[:, :H].transpose(0, 1)  # [heads, N, dim]
+        outs = []
         offset = 0
         for it, s, n, mask in zip(items, starts, lengths, masks):
-            chunk = slice(offset, offset + n)
-            it.cache.write(index, s, qk[chunk, H:].transpose(0, 1), v[chunk].transpose(0, 1))
+            it.cache.write(index, s, kv[:, offset : offset + n])
             keys, values = it.cache.view(index, s + n)  # [kv_heads, s+n, dim]
-            o = F.scaled_dot_product_attention(
-                qk[chunk, :H].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                scale=self.scaling, enable_gqa=KV != H)[0].transpose(0, 1)  # [n, heads, dim]
-            if out is None:
-                out = o
-            else:
-                out[chunk] = o
+            outs.append(F.scaled_dot_product_attention(
+                q[None, :, offset : offset + n], keys[None], values[None], attn_mask=mask,
+                scale=self.scaling, enable_gqa=KV != H)[0])  # [heads, n, dim]
             offset += n
-        return F.linear(out.reshape(N, H * D), layer.o, layer.o_bias)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        return F.linear(out.transpose(0, 1).reshape(N, H * D), layer.o, layer.o_bias)

@@ -17,6 +17,7 @@ randomness comes in as explicit uniforms (see `uniforms`), so results depend onl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -87,6 +88,43 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _law(params: SamplingParams) -> tuple:
+    """What `logits_to_probs` depends on: rows with the same law share its operators."""
+    return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
+
+
+def probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[B, V] logits with one SamplingParams per row → [B, V] float32 probabilities, each
+    row exactly `logits_to_probs(row, its params)`.
+
+    The draft calls this once per step for every session in the batch: rows that share a
+    law go through `logits_to_probs` together (every operator there works row by row),
+    so a batch costs one set of operators per law rather than one per session.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(_law(p), []).append(i)
+    if len(groups) == 1:
+        return logits_to_probs(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups.values():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = logits_to_probs(logits[index], params[rows[0]])
+    return out
+
+
+def draft_tokens_rows(q: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
+    """[B] draft tokens, row b drawn from q[b] ([B, V]) with its session's draft-stream
+    uniform at positions[b]: each equals `draft_token(q[b], params[b], positions[b])`.
+    Greedy rows are one-hot, and inverse-CDF sampling of a one-hot returns its token for
+    any u in [0, 1), so one draw serves a mixed batch; an all-greedy batch is one argmax."""
+    if all(p.greedy for p in params):
+        return q.argmax(-1)
+    u = torch.tensor([uniform(p.seed, pos, STREAM_DRAFT) for p, pos in zip(params, positions)],
+                     dtype=torch.float64, device=q.device)
+    return sample_from(q, u)
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

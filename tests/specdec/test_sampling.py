@@ -173,3 +173,24 @@ def test_verify_greedy_equals_verify_with_a_one_hot_target():
         short = verify_greedy(draft, argmax, gammas)
         assert torch.equal(full.accepted, short.accepted)
         assert torch.equal(full.next_token, short.next_token)
+
+
+def test_a_batch_of_draft_rows_equals_each_row_on_its_own():
+    """The draft samples a whole batch's step at once (probs_rows, draft_tokens_rows); every
+    row must be bit for bit what the one-session functions give it, whatever the mix of
+    laws in the batch, at the draft's real vocabulary size."""
+    from specdec.wire import quantize
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 4096
+    laws = [SamplingParams(0.0, 0, 1.0, 0), SamplingParams(1.0, 0, 1.0, 11), SamplingParams(0.7, 40, 1.0, 12),
+            SamplingParams(1.3, 0, 0.9, 13), SamplingParams(1.0, 0, 1.0, 14), SamplingParams(0.0, 5, 0.5, 0)]
+    for batch in (laws, laws[1:2] * 3, laws[:1] * 4):
+        logits = torch.randn(len(batch), vocab, generator=g) * 4
+        positions = [17 + 5 * b for b in range(len(batch))]
+        q = quantize(sampling.probs_rows(logits, batch))
+        tokens = sampling.draft_tokens_rows(q, batch, positions).tolist()
+        for b, params in enumerate(batch):
+            alone = quantize(logits_to_probs(logits[b], params))
+            assert torch.equal(q[b], alone), (b, params)
+            assert tokens[b] == sampling.draft_token(alone, params, positions[b]), (b, params)
