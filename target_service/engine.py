@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -81,7 +82,7 @@ class TargetEngine:
             items.append(ForwardItem(cache, tokens, len(job.draft_tokens) + 1))
             live.append(i)
         if live:
-            logits = self.runner.forward(items)
+            logits = self.runner.forward_packed(items)  # [Σ (γ + 1), V]
             self.forward_passes += 1
             self.fed_tokens += sum(len(it.tokens) for it in items)
             verdicts = self._decide([jobs[i] for i in live], logits)
@@ -92,50 +93,67 @@ class TargetEngine:
                 results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live))
         return results  # type: ignore[return-value]
 
-    def _decide(self, jobs: list[VerifyJob], logits: list[torch.Tensor]) -> list[tuple[int, int]]:
-        """Acceptance for the batch: greedy sessions by argmax, the others by the full rule."""
+    def _decide(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Acceptance for the batch: greedy sessions by argmax, the others by the full rule.
+        logits: the packed [Σ (γ_b + 1), V] rows of all jobs, in job order."""
         out: list[tuple[int, int] | None] = [None] * len(jobs)
+        ends = list(accumulate(len(j.draft_tokens) + 1 for j in jobs))
+        spans = [range(e - len(j.draft_tokens) - 1, e) for e, j in zip(ends, jobs)]
         greedy = [b for b, j in enumerate(jobs) if j.params.greedy]
         sampled = [b for b, j in enumerate(jobs) if not j.params.greedy]
         for group, decide in ((greedy, self._decide_greedy), (sampled, self._decide_sampled)):
             if group:
-                for b, verdict in zip(group, decide([jobs[b] for b in group], [logits[b] for b in group])):
+                rows = logits if len(group) == len(jobs) else logits[[r for b in group for r in spans[b]]]
+                for b, verdict in zip(group, decide([jobs[b] for b in group], rows)):
                     out[b] = verdict
         return out  # type: ignore[return-value]
 
-    def _decide_greedy(self, jobs: list[VerifyJob], logits: list[torch.Tensor]) -> list[tuple[int, int]]:
+    @staticmethod
+    def _padding(jobs: list[VerifyJob]) -> tuple[int, list[list[int]]]:
+        """→ (largest γ, per job the packed row of each of its γ_max + 1 padded slots); a
+        padded slot points one past the last row, where a zero row goes."""
+        G = max(len(j.draft_tokens) for j in jobs)
+        total = sum(len(j.draft_tokens) + 1 for j in jobs)
+        index, row = [], 0
+        for j in jobs:
+            n = len(j.draft_tokens) + 1
+            index.append(list(range(row, row + n)) + [total] * (G + 1 - n))
+            row += n
+        return G, index
+
+    def _decide_greedy(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
         """No distributions needed (sampling.verify_greedy): pad and compare argmaxes."""
-        B, G = len(jobs), max(len(j.draft_tokens) for j in jobs)
-        device = logits[0].device
-        argmax = torch.zeros(B, G + 1, dtype=torch.long, device=device)
-        draft = torch.full((B, G), -1, dtype=torch.long, device=device)
-        for b, (job, rows) in enumerate(zip(jobs, logits)):
-            argmax[b, : rows.shape[0]] = rows.argmax(-1)
-            if job.draft_tokens:
-                draft[b, : len(job.draft_tokens)] = torch.tensor(job.draft_tokens, device=device)
+        device = logits.device
+        G, index = self._padding(jobs)
+        argmax = torch.cat([logits.argmax(-1), torch.zeros(1, dtype=torch.long, device=device)])
+        argmax = argmax[torch.tensor(index, device=device)]  # [B, G + 1]
+        draft = torch.tensor([j.draft_tokens + [-1] * (G - len(j.draft_tokens)) for j in jobs],
+                             dtype=torch.long, device=device).view(len(jobs), G)
         gammas = torch.tensor([len(j.draft_tokens) for j in jobs], device=device)
         res = sampling.verify_greedy(draft, argmax, gammas)
         return list(zip(res.accepted.tolist(), res.next_token.tolist()))
 
-    def _decide_sampled(self, jobs: list[VerifyJob], logits: list[torch.Tensor]) -> list[tuple[int, int]]:
-        """Batched acceptance over sessions padded to the largest γ."""
-        B, G, V = len(jobs), max(len(j.draft_tokens) for j in jobs), self.runner.vocab_size
-        device = logits[0].device
-        p = torch.zeros(B, G + 1, V, dtype=torch.float64, device=device)
+    def _decide_sampled(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Batched acceptance over sessions padded to the largest γ; the target's laws for
+        the whole batch in one set of operators per sampling law (sampling.probs_rows)."""
+        B, V, device = len(jobs), self.runner.vocab_size, logits.device
+        G, index = self._padding(jobs)
+        params = [j.params for j in jobs for _ in range(len(j.draft_tokens) + 1)]
+        probs = sampling.probs_rows(logits, params).double()
+        p = torch.cat([probs, probs.new_zeros(1, V)])[torch.tensor(index, device=device)]  # [B, G + 1, V]
         q = torch.zeros(B, G, V, dtype=torch.float64, device=device)
-        draft = torch.zeros(B, G, dtype=torch.long, device=device)
         u_acc = torch.zeros(B, G, dtype=torch.float64)
         u_res = torch.zeros(B, G + 1, dtype=torch.float64)
-        gammas = torch.tensor([len(j.draft_tokens) for j in jobs], device=device)
-        for b, (job, rows) in enumerate(zip(jobs, logits)):
+        for b, job in enumerate(jobs):
             g = len(job.draft_tokens)
-            p[b, : g + 1] = sampling.logits_to_probs(rows, job.params).double()
             first = job.ref.start + len(job.ref.tokens)  # position of the first draft token
             if g:
                 q[b, :g] = job.q.to(device)
-                draft[b, :g] = torch.tensor(job.draft_tokens, device=device)
                 u_acc[b, :g] = sampling.uniforms(job.params.seed, first, g, sampling.STREAM_ACCEPT)
             u_res[b, : g + 1] = sampling.uniforms(job.params.seed, first, g + 1, sampling.STREAM_RESAMPLE)
+        draft = torch.tensor([j.draft_tokens + [0] * (G - len(j.draft_tokens)) for j in jobs],
+                             dtype=torch.long, device=device).view(B, G)
+        gammas = torch.tensor([len(j.draft_tokens) for j in jobs], device=device)
         res = sampling.verify(draft, q, p, u_acc, u_res, gammas)
         return list(zip(res.accepted.tolist(), res.next_token.tolist()))
 

@@ -1,0 +1,53 @@
+"""TargetEngine's batched decision: one batch of mixed sessions (greedy and sampled laws,
+different γ, γ = 0) must reach, for each session, exactly the verdict the pure functions
+of specdec.sampling give that session on its own rows."""
+import torch
+
+from specdec import sampling
+from specdec.model_runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.sessions import CacheRef
+from target_service.engine import TargetEngine, VerifyJob
+
+
+def _alone(job: VerifyJob, rows: torch.Tensor) -> tuple[int, int]:
+    g = len(job.draft_tokens)
+    first = job.ref.start + len(job.ref.tokens)
+    p = sampling.logits_to_probs(rows, job.params).double()[None]
+    q = job.q[None] if g else torch.zeros(1, 0, rows.shape[-1], dtype=torch.float64)
+    res = sampling.verify(torch.tensor([job.draft_tokens], dtype=torch.long).view(1, g), q, p,
+                          sampling.uniforms(job.params.seed, first, g, sampling.STREAM_ACCEPT)[None],
+                          sampling.uniforms(job.params.seed, first, g + 1, sampling.STREAM_RESAMPLE)[None])
+    return int(res.accepted[0]), int(res.next_token[0])
+
+
+def test_a_mixed_batch_decides_each_session_as_if_alone(target_model):
+    engine = TargetEngine(ModelRunner(target_model))
+    V = engine.runner.vocab_size
+    g = torch.Generator().manual_seed(7)
+    laws = [SamplingParams(0.0), SamplingParams(1.0, seed=3), SamplingParams(0.8, 20, 1.0, 4),
+            SamplingParams(0.0), SamplingParams(1.0, 0, 0.9, 5), SamplingParams(1.0, seed=6)]
+    gammas = [4, 3, 0, 1, 5, 2]
+    deepest = 0
+    for trial in range(20):
+        jobs = []
+        for b, (params, gamma) in enumerate(zip(laws, gammas)):
+            q = torch.softmax(torch.randn(gamma, V, generator=g, dtype=torch.float64) * 3, -1)
+            draft = torch.multinomial(q, 1, generator=g).view(-1).tolist() if gamma else []
+            jobs.append(VerifyJob(CacheRef(f"s{b}", 1, 10 * b + trial, [5, 6]), draft, q if gamma else None, params))
+        logits = torch.randn(sum(gamma + 1 for gamma in gammas), V, generator=g) * 3
+        # make some drafts match the target, so that acceptance runs deep
+        row = 0
+        for job in jobs:
+            for i, token in enumerate(job.draft_tokens):
+                if (trial + i) % 2 == 0:
+                    logits[row + i, token] += 20
+            row += len(job.draft_tokens) + 1
+        got = engine._decide(jobs, logits)
+        row = 0
+        for job, verdict in zip(jobs, got):
+            n = len(job.draft_tokens) + 1
+            assert verdict == _alone(job, logits[row : row + n]), (trial, job.params, len(job.draft_tokens))
+            row += n
+            deepest = max(deepest, verdict[0])
+    assert deepest >= 2  # the test reached past the first draft token
