@@ -11,9 +11,11 @@ One run over held-out prompts (training.corpus.heldout_prompts), greedy and temp
 
 (d)–(f) run against one LocalStack (real redis-server, one draft and one target replica,
 one orchestrator, as subprocesses) started once, at each concurrency c with c concurrent
-streams; then a γ sweep of (d) at one stream. At concurrency c a run has max(prompts, c)
-requests cycling over the prompts; request i carries seed 1000 + i in every system, so
-(c) and (d) must agree token for token.
+streams; then a γ sweep of (d) at one stream. At concurrency c a run has
+max(prompts, per_stream·c) requests cycling over the prompts (--per-stream, default 3: with
+one request per stream, a 16-stream run is mostly its ramp — every stream prefilling at
+once, then a tail with fewer streams left — rather than 16 streams kept busy). Request i
+carries seed 1000 + i in every system, so (c) and (d) must agree token for token.
 
 All of that is measured --repeats times (default 2), the in-process part first on even
 passes and the distributed part first on odd ones, and each run's passes are pooled
@@ -60,8 +62,9 @@ from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_token
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
-        "repeats": 2, "warm_up": 5.0}
-QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0}
+        "repeats": 2, "warm_up": 5.0, "per_stream": 3}
+QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0,
+         "per_stream": 1}
 
 
 def int_list(text: str) -> list[int]:
@@ -91,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warm-up", type=float,
                     help=f"seconds of traffic through the stack before each pass's distributed runs "
                          f"(default {FULL['warm_up']:.0f})")
+    ap.add_argument("--per-stream", type=int,
+                    help=f"requests per stream at concurrency c: a run has max(prompts, per_stream × c) requests, "
+                         f"so that the streams stay busy past the ramp (default {FULL['per_stream']})")
     ap.add_argument("--repeats", type=int,
                     help=f"passes over all systems, interleaved so that a slow spell of a shared machine "
                          f"hits every system alike; their results are pooled (default {FULL['repeats']})")
@@ -108,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
+    if args.per_stream < 1:
+        raise SystemExit(f"--per-stream must be at least 1, got {args.per_stream}")
     args.plot = args.plot or args.out.with_name("speedup.png")
     return args
 
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
 
     def requests_for(c: int):
-        return make_requests(prompt_ids, max(len(prompt_ids), c))
+        return make_requests(prompt_ids, max(len(prompt_ids), args.per_stream * c))
 
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -196,7 +196,7 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"- software: {meta['versions']}",
            f"- draft: {meta['draft']}", f"- target: {meta['target']}",
            f"- workload: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens per request, at concurrency c "
-           f"max({args.prompts}, c) requests, measured in {args.repeats} interleaved pass(es) and pooled, each "
+           f"max({args.prompts}, {args.per_stream}·c) requests, measured in {args.repeats} interleaved pass(es) and pooled, each "
            f"pass's distributed runs after {args.warm_up:.0f} s of warm-up traffic; "
            f"fixed γ = {args.gamma}; torch threads: {args.threads} in-process, "
            f"{args.server_threads} per replica; wall time of the whole run {meta['elapsed']:.0f} s",
