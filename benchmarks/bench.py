@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def request_count(args: argparse.Namespace, concurrency: int) -> int:
+    """Requests in a run at this concurrency: every prompt at least once, and enough for
+    each stream to stay busy past the ramp (--per-stream)."""
+    return max(args.prompts, args.per_stream * concurrency)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
 
     def requests_for(c: int):
-        return make_requests(prompt_ids, max(len(prompt_ids), args.per_stream * c))
+        return make_requests(prompt_ids, request_count(args, c))
 
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

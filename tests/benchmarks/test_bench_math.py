@@ -82,3 +82,14 @@ def test_merged_passes_pool_tokens_and_time():
     assert m.stage_per_round("draft") == 6.0 / 4 and m.tried is None
     fixed = merge([RunResult("d", "t1", 4, 4, tried=3), RunResult("d", "t1", 4, 4, tried=5)])
     assert fixed.gamma == 4 and fixed.tried == 8
+
+
+def test_a_run_keeps_every_stream_busy_for_per_stream_requests():
+    from benchmarks.bench import parse_args, request_count
+
+    args = parse_args(["--prompts", "8"])
+    assert [request_count(args, c) for c in (1, 4, 16)] == [8, 12, 48]  # default: 3 per stream
+    assert request_count(parse_args(["--prompts", "8", "--per-stream", "1"]), 16) == 16
+    assert request_count(parse_args(["--quick"]), 2) == 2
+    with pytest.raises(SystemExit, match="per-stream"):
+        parse_args(["--per-stream", "0"])
