@@ -28,3 +28,22 @@ def test_pair_prints_its_table_and_returns_the_numbers(bundled_paths, capsys):
     assert res["cost_ratio"] > 0
     table = pair.format_table(res)
     assert "| mode | α |" in table and "HF assisted tok/s" in table
+
+
+def test_rpc_floor_prints_echo_and_verify_rows(capsys):
+    from benchmarks import rpc_floor
+
+    assert rpc_floor.main(["--calls", "3", "--gaps-ms", "0,1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 4  # header, rule, then echo and Verify for each gap
+    verify = [r for r in rows if r.startswith("| Verify")]
+    assert all(float(r.split("|")[5]) > 0 for r in verify)  # the replica reported its compute time
+
+
+def test_rpc_floor_refuses_bad_arguments():
+    from benchmarks import rpc_floor
+
+    with pytest.raises(SystemExit, match="--gaps-ms"):
+        rpc_floor.main(["--gaps-ms", "0,x"])
+    with pytest.raises(SystemExit, match="--calls"):
+        rpc_floor.main(["--calls", "0"])

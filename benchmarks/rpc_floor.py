@@ -1,0 +1,162 @@
+"""What one internal call costs beyond the engine's work: `python -m benchmarks.rpc_floor`.
+
+The distributed pipeline (d) differs from the in-process loop (c) of `make bench` by two
+internal calls a round (Propose, Verify) and the orchestrator's work around them. This
+measures the floor under the first part on the machine at hand, side by side:
+
+- echo: a bare `grpc.aio` unary call carrying ~250 bytes between two processes;
+- verify: a target-only Verify call straight to a target replica (real server, real
+  model, no orchestrator), its wall time minus the compute_ms the replica reports;
+
+each back to back and after an idle gap before every call, as a replica sees while the
+other pool works on the round (on a shared VM an idle vCPU is slow to wake). The verify
+overhead over echo is the replica's own request handling (decode, batcher, encode).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+
+import grpc
+
+from specdec.models import BUNDLED_TARGET
+
+ECHO = "/specdec.bench.Echo/Echo"
+
+
+async def serve_echo(port: int) -> None:
+    server = grpc.aio.server()
+
+    async def echo(request: bytes, context) -> bytes:
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        "specdec.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def summary(values: list[float]) -> tuple[float, float]:
+    """→ (median, p90) in ms, nearest rank."""
+    v = sorted(values)
+    return v[len(v) // 2], v[min(len(v) - 1, int(0.9 * len(v)))]
+
+
+async def time_echo(address: str, calls: int, gap_s: float) -> list[float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_unary(ECHO)
+        payload = b"x" * 250
+        for _ in range(20):  # connection and first-call set-up are not the floor
+            await call(payload, timeout=10)
+        out = []
+        for _ in range(calls):
+            if gap_s:
+                time.sleep(gap_s)  # the process idles, as it does between rounds
+            t0 = time.perf_counter()
+            await call(payload, timeout=10)
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+
+async def time_verify(address: str, calls: int, gap_s: float, tag: str) -> tuple[list[float], list[float]]:
+    """Greedy target-only decoding of one session: → (wall − compute ms, compute ms) per call."""
+    from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = replica_pb2_grpc.TargetStub(channel)
+        sampling = replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+        session, committed, cached = f"rpc-floor-{tag}", [1, 500, 600, 700, 42], 0
+        overhead, compute = [], []
+        for i in range(calls + 5):
+            ref = replica_pb2.CacheRef(session_id=session, epoch=1, start=cached, tokens=committed[cached:])
+            request = replica_pb2.VerifyRequest(cache=ref, sampling=sampling)
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.perf_counter()
+            resp = await stub.Verify(request, timeout=10)
+            wall = (time.perf_counter() - t0) * 1000
+            if i >= 5:  # past the prefill
+                overhead.append(wall - resp.compute_ms)
+                compute.append(resp.compute_ms)
+            cached = resp.cache_length
+            committed.append(resp.next_token)
+        await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
+        return overhead, compute
+
+
+async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: list[float]) -> list[str]:
+    rows = ["| call | idle gap before each | median ms | p90 ms | replica compute, median ms |",
+            "|---|---|---|---|---|"]
+    for gap in gaps_ms:
+        med, p90 = summary(await time_echo(echo_address, calls, gap / 1000))
+        rows.append(f"| echo (bare gRPC, 250 B) | {gap:g} ms | {med:.3f} | {p90:.3f} | — |")
+        overhead, compute = await time_verify(target_address, calls, gap / 1000, f"{gap:g}")
+        med, p90 = summary(overhead)
+        rows.append(f"| Verify, target only: wall − compute | {gap:g} ms | {med:.3f} | {p90:.3f} | "
+                    f"{summary(compute)[0]:.3f} |")
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.rpc_floor",
+                                 description="The cost of one internal gRPC call beyond the engine's work, "
+                                             "back to back and after an idle gap (see the module docstring).")
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: bundled)")
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per row (default 200)")
+    ap.add_argument("--gaps-ms", default="0,5", help="idle gaps before each call, comma-separated (default 0,5)")
+    ap.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.serve_echo:
+        asyncio.run(serve_echo(args.serve_echo))
+        return 0
+    if args.calls < 1:
+        raise SystemExit(f"--calls must be at least 1, got {args.calls}")
+    try:
+        gaps = [float(g) for g in args.gaps_ms.split(",") if g.strip()]
+    except ValueError:
+        raise SystemExit(f"--gaps-ms takes numbers separated by commas, got {args.gaps_ms!r}") from None
+    if not gaps or min(gaps) < 0:
+        raise SystemExit("--gaps-ms needs at least one gap of 0 ms or more")
+    from localstack.stack import LocalStack, free_port
+
+    stack = LocalStack(target_model=args.target, threads=1)
+    port = free_port()
+    echo = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "--serve-echo", str(port)])
+    try:
+        stack.start_redis()
+        target = stack.start_replica("target")
+        wait_serving_echo(f"127.0.0.1:{port}", echo)
+        print("\n".join(asyncio.run(measure(f"127.0.0.1:{port}", target.address, args.calls, gaps))))
+    finally:
+        echo.terminate()
+        echo.wait(10)
+        stack.stop()
+    return 0
+
+
+def wait_serving_echo(address: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """The echo server has no health service: wait until a call goes through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("the echo server exited")
+        try:
+            asyncio.run(time_echo(address, 1, 0.0))
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
