@@ -47,3 +47,21 @@ def test_rpc_floor_refuses_bad_arguments():
         rpc_floor.main(["--gaps-ms", "0,x"])
     with pytest.raises(SystemExit, match="--calls"):
         rpc_floor.main(["--calls", "0"])
+
+
+def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
+    from benchmarks import stack_probe
+
+    assert stack_probe.main(["--configs", "greedy:2", "--prompts", "2", "--per-stream", "1",
+                             "--max-new-tokens", "6", "--warm-up", "0"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("greedy 2 streams")]
+    assert [ln.split()[3] for ln in lines] == ["(f)", "(e)"]
+    assert all("target: batch" in ln for ln in lines)  # the target served every run
+    assert "draft: batch" in lines[1]  # (e) drafted
+
+
+def test_stack_probe_refuses_a_bad_configuration():
+    from benchmarks import stack_probe
+
+    with pytest.raises(SystemExit, match="mode:streams"):
+        stack_probe.main(["--configs", "greedy:x"])

@@ -1,0 +1,118 @@
+"""How the replicas batch under the bench's load: `python -m benchmarks.stack_probe`.
+
+A quicker, narrower companion of `make bench` for tuning the replicas' batching: one
+local stack (Redis, one draft and one target replica with /metrics on, one orchestrator),
+and for each configuration (mode:streams) the runs of (f) target-only and (e) adaptive γ
+with overlap, side by side, each with the replicas' view scraped from Prometheus around
+the run: mean sessions per batch, the share of the wall time the engine computed (busy)
+and the share it held batches for company (held).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import time
+import urllib.request
+
+from benchmarks.remote import StackClient
+from benchmarks.runs import MODES, make_requests
+from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_tokenizer
+
+SCRAPED = re.compile(r"(specdec_(?:engine_seconds|batch_size|batch_hold_seconds)_(?:sum|count))(?:\{[^}]*\})?\s+(\S+)")
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = SCRAPED.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def pool_view(before: dict[str, float], after: dict[str, float], wall: float) -> str:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    batches = d.get("specdec_batch_size_count", 0.0)
+    if not batches:
+        return "idle"
+    return (f"batch {d.get('specdec_batch_size_sum', 0.0) / batches:.1f} "
+            f"busy {d.get('specdec_engine_seconds_sum', 0.0) / wall:.2f} "
+            f"held {d.get('specdec_batch_hold_seconds_sum', 0.0) / wall:.2f}")
+
+
+def parse_configs(text: str) -> list[tuple[str, int]]:
+    configs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        mode, _, streams = part.partition(":")
+        if mode not in MODES or not streams.isdigit() or int(streams) < 1:
+            raise SystemExit(f"--configs: {part!r} is not mode:streams with mode in {', '.join(MODES)}")
+        configs.append((mode, int(streams)))
+    if not configs:
+        raise SystemExit("--configs names no configuration")
+    return configs
+
+
+async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_stream: int, max_new: int,
+                warm_up: float) -> list[str]:
+    client = StackClient(address)
+    lines = []
+    try:
+        await client.warm_up(make_requests(prompt_ids, len(prompt_ids)), max_new, warm_up)
+        for mode, streams in configs:
+            for system, gamma in (("f", 0), ("e", None)):
+                before = {pool: scrape(port) for pool, port in ports.items()}
+                t0 = time.perf_counter()
+                run = await client.run(system, make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams)),
+                                       mode, streams, max_new, gamma)
+                wall = time.perf_counter() - t0
+                after = {pool: scrape(port) for pool, port in ports.items()}
+                views = " | ".join(f"{pool}: {pool_view(before[pool], after[pool], wall)}" for pool in ports)
+                lines.append(f"{mode} {streams} streams ({system}) {run.tps:.1f} tok/s | {views}")
+                print(lines[-1], flush=True)
+    finally:
+        await client.close()
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.stack_probe", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--configs", default="greedy:16,t1:4,greedy:1",
+                    help="mode:streams pairs, comma-separated (default greedy:16,t1:4,greedy:1)")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
+    ap.add_argument("--per-stream", type=int, default=3, help="requests per stream (default 3, as make bench)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per request (default 96)")
+    ap.add_argument("--warm-up", type=float, default=5.0, help="seconds of traffic before measuring (default 5)")
+    ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: bundled)")
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: bundled)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configs = parse_configs(args.configs)
+    if min(args.prompts, args.per_stream, args.max_new_tokens) < 1:
+        raise SystemExit("--prompts, --per-stream and --max-new-tokens must be at least 1")
+    from localstack.stack import LocalStack, free_port
+    from training.corpus import heldout_prompts
+
+    tok = load_tokenizer(args.target)
+    prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
+    stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=1)
+    ports = {"target": free_port(), "draft": free_port()}
+    try:
+        stack.start_redis()
+        for pool, port in ports.items():
+            stack.start_replica(pool, extra=["--metrics-port", str(port)])
+        stack.start_orchestrator()
+        stack.wait_registered(1, 1)
+        asyncio.run(probe(stack.orchestrator_address, ports, prompt_ids, configs, args.per_stream,
+                          args.max_new_tokens, args.warm_up))
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
