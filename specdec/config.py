@@ -53,8 +53,8 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
     ap.add_argument("--max-batch", type=int, default=int(env("MAX_BATCH", 64)), help="sessions per engine batch [SPECDEC_MAX_BATCH]")
     ap.add_argument("--batch-wait-ms", type=float, default=float(env("BATCH_WAIT_MS", 5.0)),
                     help="under load, hold a batch up to this long (and half the recent batch time) for "
-                         "sessions that were in the last batches; 0 = never hold; a lone session never "
-                         "waits [SPECDEC_BATCH_WAIT_MS]")
+                         "sessions of the last batches that are due back; 0 = never hold; a lone session "
+                         "never waits [SPECDEC_BATCH_WAIT_MS]")
     ap.add_argument("--inline-tokens", type=int, default=int(env("INLINE_TOKENS", 256)),
                     help="batches feeding at most this many tokens run on the server's event loop "
                          "thread instead of a worker thread (default 256); 0 = always a worker [SPECDEC_INLINE_TOKENS]")

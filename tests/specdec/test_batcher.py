@@ -1,5 +1,6 @@
 """The micro-batcher's scheduling: lone calls never wait, a loaded batch waits briefly for
-the sessions of the last batches, small batches run on the event loop's thread."""
+the sessions of the last batches that are due back (not for those busy elsewhere), small
+batches run on the event loop's thread."""
 import asyncio
 import threading
 import time
@@ -72,6 +73,43 @@ def test_the_hold_is_bounded():
     batches, waited = run(main())
     assert batches == [["a0", "b0"], ["a1"]]
     assert waited < 5
+
+
+def test_a_session_busy_elsewhere_is_not_waited_for():
+    async def main():
+        rec = Recorder()
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=300, gather=1e6)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
+        await asyncio.sleep(0.5)  # both spend 0.5 s elsewhere between calls (the other pool)
+        await asyncio.gather(batcher.submit("a1"), batcher.submit("b1"))
+        t0 = time.monotonic()
+        await batcher.submit("a2")  # b is not due back for 0.5 s, past the 0.3 s hold: a2 goes alone
+        waited = time.monotonic() - t0
+        await batcher.stop()
+        return rec.batches, waited
+
+    batches, waited = run(main())
+    assert batches == [["a0", "b0"], ["a1", "b1"], ["a2"]]
+    assert waited < 0.15  # not held for the whole 0.3 s
+
+
+def test_a_session_due_back_within_the_hold_is_waited_for():
+    async def main():
+        rec = Recorder()
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=1000, gather=1e6)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
+        await asyncio.sleep(0.2)  # b's usual time away: 0.2 s
+        await asyncio.gather(batcher.submit("a1"), batcher.submit("b1"))
+        first = asyncio.ensure_future(batcher.submit("a2"))
+        await asyncio.sleep(0.1)  # quiet slices pass, but b is due: a2 waits for it
+        assert not first.done()
+        await asyncio.wait_for(asyncio.gather(first, batcher.submit("b2")), 5)
+        await batcher.stop()
+        return rec.batches
+
+    assert run(main())[-1] == ["a2", "b2"]
 
 
 def test_small_batches_run_on_the_loop_thread_and_big_ones_on_the_worker():
