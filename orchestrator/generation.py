@@ -143,7 +143,7 @@ class Generator:
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += resp.ByteSize()
             if len(ref.tokens) <= 2:  # steady state only: a prefill is no measure of a round
-                self.costs.observe_draft(gamma, ms, resp.compute_ms)
+                self.costs.observe_draft(gamma, ms, resp.compute_ms, resp.batch_size)
             metrics.STAGE_SECONDS.labels("draft").observe(ms / 1000)
             return resp
         return None

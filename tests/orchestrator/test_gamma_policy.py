@@ -6,7 +6,7 @@ from orchestrator.gamma_policy import (EXPLORE_EVERY, MEASURED_AFTER, CostModel,
 
 def _observe(costs: CostModel, gammas, net: float, draft_step: float, target_step: float, batch: int):
     for g in gammas:
-        costs.observe_draft(g, net + g * draft_step, g * draft_step)
+        costs.observe_draft(g, net + g * draft_step, g * draft_step, batch)
         compute = target_step * (1 + verify_slope(batch) * g)
         costs.observe_verify(g, net + compute, batch, compute)
 
@@ -40,6 +40,19 @@ def test_gamma_shrinks_as_the_target_saturates_and_speculation_stops():
     policy = _policy(0.15)
     picks = [policy.choose(busy) for _ in range(32)]
     assert picks.count(0) == 30 and picks.count(2) == 2  # off, with a short probe every 16 rounds
+
+
+def test_speculation_comes_back_once_the_load_is_gone():
+    """Times measured in loaded batches must not stay in the per-γ table (which speaks for
+    sessions alone) and keep speculation off after the load has gone."""
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    _observe(costs, [4] * 50, net=2.0, draft_step=3.0, target_step=60.0, batch=16)
+    assert not costs.alone and _policy(0.8).choose(costs) < 4
+    for _ in range(40):  # the load has gone; sessions decode alone (γ = 0 while it was off)
+        costs.observe_verify(0, 12.0, 1, 10.0)
+    assert costs.alone
+    assert _policy(0.8).choose(costs) >= 3
 
 
 def test_measured_times_per_gamma_replace_the_linear_model():
