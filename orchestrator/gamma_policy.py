@@ -94,17 +94,18 @@ class CostModel:
 
         The engine's time is per-token work (γ forward steps and samples); the rest, the
         network and both ends' gRPC, is paid once per call whatever γ is. Only calls served
-        alone enter the per-γ table, which speaks for sessions alone (`round_ms`): times
-        taken under load would stay in it after the load is gone and hold γ down (measured
-        before this rule: one stream right after 16 drafted γ 0.40 on average, at 126
-        tokens/s against 200 before the load)."""
+        alone while the sessions are alone on average (`alone`) enter the per-γ table, which
+        speaks for that case (`round_ms`): times taken under load, the tail of a loaded spell
+        included, would stay in it after the load is gone and hold γ down (measured before
+        this rule: one stream right after 16 drafted γ 0.40 on average, at 126 tokens/s
+        against 200 before the load)."""
         if gamma <= 0:
             return
         if not 0 < compute_ms <= ms:  # a replica that reports no compute time: a rough split
             compute_ms = 0.7 * ms
         self.draft_step.update(compute_ms / gamma)
         self.draft_call.update(ms - compute_ms)
-        if batch_size <= 1:
+        if batch_size <= 1 and self.alone:
             self.draft_by_gamma.setdefault(gamma, Ema()).update(ms)
 
     def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float) -> None:
@@ -120,7 +121,7 @@ class CostModel:
         step = compute_ms / (1 + slope * gamma)
         self.verify_base.update(ms - compute_ms + step)
         self.verify_token.update(slope * step)
-        if batch_size <= 1:  # as for the draft: the table speaks for sessions alone
+        if batch_size <= 1 and self.alone:  # as for the draft: the table speaks for sessions alone
             self.verify_by_gamma.setdefault(gamma, Ema()).update(ms)
 
     @staticmethod
