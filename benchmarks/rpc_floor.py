@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from benchmarks.runs import percentile
 from specdec.models import BUNDLED_TARGET
 
 ECHO = "/specdec.bench.Echo/Echo"
@@ -42,9 +43,8 @@ async def serve_echo(port: int) -> None:
 
 
 def summary(values: list[float]) -> tuple[float, float]:
-    """→ (median, p90) in ms, nearest rank."""
-    v = sorted(values)
-    return v[len(v) // 2], v[min(len(v) - 1, int(0.9 * len(v)))]
+    """→ (median, p90), nearest rank as everywhere in the benchmarks."""
+    return percentile(values, 50), percentile(values, 90)
 
 
 async def time_echo(address: str, calls: int, gap_s: float) -> list[float]:

@@ -74,6 +74,10 @@ class MicroBatcher(Generic[Job, Result]):
         self._wakeup.set()
         return await fut
 
+    def _expected(self) -> frozenset:
+        """Sessions the recent batches served: who is likely on the way back."""
+        return frozenset().union(*self._recent)
+
     def _due(self, expected: frozenset, now: float, deadline: float) -> set:
         """Of the sessions expected, those due back here by the deadline: their last
         result went out less than their usual time away before it. One long overdue (by
@@ -100,7 +104,7 @@ class MicroBatcher(Generic[Job, Result]):
         spending the time in the other pool's half of their round."""
         if self.key is None or self.max_wait <= 0:
             return 0.0
-        expected = frozenset().union(*self._recent) if self._recent else frozenset()
+        expected = self._expected()
         want = min(len(expected), self.max_batch)
         queued = {self.key(job) for job, _ in self._queue}
         if len(queued) >= want:
@@ -168,7 +172,7 @@ class MicroBatcher(Generic[Job, Result]):
         for k in served:
             self._left[k] = now
         if len(self._left) > 4 * self.max_batch:
-            keep = frozenset().union(*self._recent)
+            keep = self._expected()
             self._left = {k: t for k, t in self._left.items() if k in keep}
             self._away = {k: a for k, a in self._away.items() if k in keep}
 
