@@ -120,6 +120,7 @@ def distill(args: argparse.Namespace) -> dict:
         full = json.loads(report_path.read_text()) if report_path.exists() else {}
         full["distill"] = [*full.get("distill", []), report]  # one entry per distillation run
         full["params"] = {**full.get("params", {}), "draft": draft.num_parameters()}
+        full.setdefault("heldout_loss", {})["draft"] = best["draft_loss"]
         report_path.write_text(json.dumps(full, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return report
