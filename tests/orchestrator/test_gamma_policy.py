@@ -126,3 +126,11 @@ def test_unmeasured_gammas_take_the_model_scaled_to_the_measurements():
     assert abs(costs.round_ms(0) - 1.2 * 10.0) < 1e-9  # the verify-only round, scaled alike
     costs.batch.value = 16.0  # under load: the plain model again
     assert costs.round_ms(3) == 18.0
+
+
+def test_deterministic_policy_choices_are_the_documented_ones():
+    """The seeded policy's γ for a given α is fixed by the reference costs (its docstring
+    lists them); a change to those costs changes what seeded requests produce."""
+    chosen = [SessionPolicy(accepted=100.0 * a, trials=100.0, deterministic=True).choose(CostModel())
+              for a in (0.5, 0.6, 0.7, 0.8, 0.9)]
+    assert chosen == [2, 3, 4, 5, 8]
