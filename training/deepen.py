@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from training.checkpoints import run_cli, save_model, update_report
 from training.train_pair import batches, encode_corpus, heldout_loss, lr_at
 
 ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")  # a layer's writes into the residual stream
@@ -101,17 +102,14 @@ def train(args: argparse.Namespace) -> dict:
               "seq": args.seq, "lr": args.lr, "seed": args.seed, "seconds": seconds,
               "tokens": args.steps * args.batch * args.seq, "params": model.num_parameters(),
               "heldout_loss": {"before": round(before, 4), "deepened": round(grown, 4), "after": round(after, 4)}}
-    out = root / args.out
-    model.generation_config.pad_token_id = tokenizer.eos_token_id
-    model.half().save_pretrained(out)
-    if not (out / "tokenizer.json").exists():  # a new directory: give it the tokenizer
-        tokenizer.save_pretrained(out)
-    report_path = root / "training_report.json"
-    full = json.loads(report_path.read_text()) if report_path.exists() else {}
-    full["deepen"] = report
-    full["params"] = {**full.get("params", {}), "target": report["params"]}
-    full.setdefault("heldout_loss", {})["target"] = report["heldout_loss"]["after"]
-    report_path.write_text(json.dumps(full, indent=2) + "\n")
+    save_model(model, tokenizer, root / args.out)
+
+    def edit(full: dict) -> None:
+        full["deepen"] = report
+        full["params"] = {**full.get("params", {}), "target": report["params"]}
+        full.setdefault("heldout_loss", {})["target"] = report["heldout_loss"]["after"]
+
+    update_report(root, edit)
     print(json.dumps(report, indent=2))
     return report
 
@@ -127,12 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    train(args)
+    run_cli(ap, train, argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from training.checkpoints import run_cli, save_model, update_report
 from training.train_pair import batches, encode_corpus, lr_at
 
 
@@ -113,15 +114,14 @@ def distill(args: argparse.Namespace) -> dict:
               "before": before, "after": best, "params": draft.num_parameters()}
     if best_state is not None:
         draft.load_state_dict(best_state)
-        draft.half().save_pretrained(root / args.out)
-        if not (root / args.out / "tokenizer.json").exists():  # a new directory: give it the tokenizer
-            tokenizer.save_pretrained(root / args.out)
-        report_path = root / "training_report.json"
-        full = json.loads(report_path.read_text()) if report_path.exists() else {}
-        full["distill"] = [*full.get("distill", []), report]  # one entry per distillation run
-        full["params"] = {**full.get("params", {}), "draft": draft.num_parameters()}
-        full.setdefault("heldout_loss", {})["draft"] = best["draft_loss"]
-        report_path.write_text(json.dumps(full, indent=2) + "\n")
+        save_model(draft, tokenizer, root / args.out)
+
+        def edit(full: dict) -> None:
+            full["distill"] = [*full.get("distill", []), report]  # one entry per distillation run
+            full["params"] = {**full.get("params", {}), "draft": draft.num_parameters()}
+            full.setdefault("heldout_loss", {})["draft"] = best["draft_loss"]
+
+        update_report(root, edit)
     print(json.dumps(report, indent=2))
     return report
 
@@ -141,12 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kl-weight", type=float, default=0.1, help="weight of forward KL beside TV")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-windows", type=int, default=64, help="held-out 256-token windows for α")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    distill(args)
+    run_cli(ap, distill, argv)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from training.checkpoints import run_cli
 from training.corpus import read_texts, source_files
 from training.tokenizer import train_tokenizer
 
@@ -149,12 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of both models")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    train(args)
+    run_cli(ap, train, argv)
 
 
 if __name__ == "__main__":

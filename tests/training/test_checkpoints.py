@@ -1,0 +1,13 @@
+"""The training report is merged, not overwritten: each run adds its entry to what the
+earlier runs wrote."""
+import json
+
+from training.checkpoints import update_report
+
+
+def test_update_report_merges_into_what_is_there(tmp_path):
+    update_report(tmp_path, lambda full: full.update(seed=0, params={"target": 10}))
+    update_report(tmp_path, lambda full: full.setdefault("distill", []).append({"seed": 1}))
+    update_report(tmp_path, lambda full: full["params"].update(draft=2))
+    report = json.loads((tmp_path / "training_report.json").read_text())
+    assert report == {"seed": 0, "params": {"target": 10, "draft": 2}, "distill": [{"seed": 1}]}
