@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import time
-import urllib.request
 
 from benchmarks.remote import StackClient
 from benchmarks.runs import MODES, make_requests
+from localstack.stack import LocalStack, free_port, scrape_metrics
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_tokenizer
 
-SCRAPED = re.compile(r"(specdec_(?:engine_seconds|batch_size|batch_hold_seconds)_(?:sum|count))(?:\{[^}]*\})?\s+(\S+)")
+SCRAPED = {f"specdec_{m}_{part}" for m in ("engine_seconds", "batch_size", "batch_hold_seconds")
+           for part in ("sum", "count")}
 
 
 def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    """The batching samples of one replica, summed over their labels."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = SCRAPED.match(line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for sample, value in scrape_metrics(port).items():
+        name = sample.partition("{")[0]
+        if name in SCRAPED:
+            out[name] = out.get(name, 0.0) + value
     return out
 
 
@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     configs = parse_configs(args.configs)
     if min(args.prompts, args.per_stream, args.max_new_tokens) < 1:
         raise SystemExit("--prompts, --per-stream and --max-new-tokens must be at least 1")
-    from localstack.stack import LocalStack, free_port
     from training.corpus import heldout_prompts
 
     tok = load_tokenizer(args.target)

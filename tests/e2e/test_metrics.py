@@ -1,26 +1,14 @@
 """Prometheus metrics are exported by the orchestrator and the replicas."""
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 
-from localstack.stack import free_port
+from localstack.stack import free_port, scrape_metrics
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from tests.e2e.helpers import api, request
 
 pytestmark = pytest.mark.e2e
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 def test_metrics_count_rounds_acceptance_and_cache(local_stack):
@@ -29,7 +17,7 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
     target = local_stack.start_replica("target", extra=["--metrics-port", str(target_port), "--max-sessions", "1"])
     try:
         r = api(orch.address).Generate(request("def area(r):\n", 24, 0.0, gamma=4), timeout=120)
-        m = scrape(orch_port)
+        m = scrape_metrics(orch_port)
         assert m["specdec_rounds_total"] >= r.stats.rounds
         assert m["specdec_drafted_tokens_total"] >= r.stats.drafted_tokens > 0
         assert m['specdec_drafted_at_position_total{position="0"}'] >= 1
@@ -41,7 +29,7 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
             stub.Verify(replica_pb2.VerifyRequest(
                 cache=replica_pb2.CacheRef(session_id=session, epoch=1, start=0, tokens=[5, 6, 7]),
                 sampling=replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)), timeout=60)
-        replica = scrape(target_port)
+        replica = scrape_metrics(target_port)
         assert replica['specdec_replica_sessions{pool="target"}'] >= 0  # follows the heartbeat
         assert 'specdec_replica_queue_length{pool="target"}' in replica
         assert replica['specdec_batch_size_count{pool="target"}'] >= 2

@@ -29,6 +29,14 @@ def session(job: str) -> str:
     return job[0]  # "a1" belongs to session "a"
 
 
+async def two_sessions_away(batcher: MicroBatcher, away: float) -> None:
+    """Sessions a and b each make two calls together, `away` seconds apart: the batcher
+    learns that both are usually that long away between calls (in the other pool)."""
+    await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
+    await asyncio.sleep(away)
+    await asyncio.gather(batcher.submit("a1"), batcher.submit("b1"))
+
+
 def test_a_lone_session_never_waits_for_company():
     async def main():
         rec = Recorder(0.05)
@@ -80,9 +88,7 @@ def test_a_session_busy_elsewhere_is_not_waited_for():
         rec = Recorder()
         batcher = MicroBatcher(rec, key=session, max_wait_ms=300, gather=1e6)
         batcher.start()
-        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
-        await asyncio.sleep(0.5)  # both spend 0.5 s elsewhere between calls (the other pool)
-        await asyncio.gather(batcher.submit("a1"), batcher.submit("b1"))
+        await two_sessions_away(batcher, 0.5)
         t0 = time.monotonic()
         await batcher.submit("a2")  # b is not due back for 0.5 s, past the 0.3 s hold: a2 goes alone
         waited = time.monotonic() - t0
@@ -99,9 +105,7 @@ def test_a_session_due_back_within_the_hold_is_waited_for():
         rec = Recorder()
         batcher = MicroBatcher(rec, key=session, max_wait_ms=1000, gather=1e6)
         batcher.start()
-        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
-        await asyncio.sleep(0.2)  # b's usual time away: 0.2 s
-        await asyncio.gather(batcher.submit("a1"), batcher.submit("b1"))
+        await two_sessions_away(batcher, 0.2)
         first = asyncio.ensure_future(batcher.submit("a2"))
         await asyncio.sleep(0.1)  # quiet slices pass, but b is due: a2 waits for it
         assert not first.done()
