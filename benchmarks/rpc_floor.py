@@ -7,6 +7,8 @@ measures the floor under the first part on the machine at hand, side by side:
 - echo: a bare `grpc.aio` unary call carrying ~250 bytes between two processes;
 - verify: a target-only Verify call straight to a target replica (real server, real
   model, no orchestrator), its wall time minus the compute_ms the replica reports;
+- verify over a stream: the same requests as messages of one VerifyStream, as the
+  orchestrator sends a generation's rounds (saves the unary call's set-up);
 
 each back to back and after an idle gap before every call, as a replica sees while the
 other pool works on the round (on a shared VM an idle vCPU is slow to wake). The verify
@@ -63,12 +65,17 @@ async def time_echo(address: str, calls: int, gap_s: float) -> list[float]:
         return out
 
 
-async def time_verify(address: str, calls: int, gap_s: float, tag: str) -> tuple[list[float], list[float]]:
-    """Greedy target-only decoding of one session: → (wall − compute ms, compute ms) per call."""
+async def time_verify(address: str, calls: int, gap_s: float, tag: str,
+                      stream: bool = False) -> tuple[list[float], list[float]]:
+    """Greedy target-only decoding of one session, by unary calls or over one stream:
+    → (wall − compute ms, compute ms) per call."""
+    from orchestrator.round_stream import RoundStream
     from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = replica_pb2_grpc.TargetStub(channel)
+        link = RoundStream(stub.VerifyStream, f"target replica {address}", "target")
+        send = (lambda req: link.call(req, 10)) if stream else (lambda req: stub.Verify(req, timeout=10))
         sampling = replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)
         session, committed, cached = f"rpc-floor-{tag}", [1, 500, 600, 700, 42], 0
         overhead, compute = [], []
@@ -78,13 +85,14 @@ async def time_verify(address: str, calls: int, gap_s: float, tag: str) -> tuple
             if gap_s:
                 time.sleep(gap_s)
             t0 = time.perf_counter()
-            resp = await stub.Verify(request, timeout=10)
+            resp = await send(request)
             wall = (time.perf_counter() - t0) * 1000
             if i >= 5:  # past the prefill
                 overhead.append(wall - resp.compute_ms)
                 compute.append(resp.compute_ms)
             cached = resp.cache_length
             committed.append(resp.next_token)
+        await link.close()
         await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
         return overhead, compute
 
@@ -95,10 +103,11 @@ async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: l
     for gap in gaps_ms:
         med, p90 = summary(await time_echo(echo_address, calls, gap / 1000))
         rows.append(f"| echo (bare gRPC, 250 B) | {gap:g} ms | {med:.3f} | {p90:.3f} | — |")
-        overhead, compute = await time_verify(target_address, calls, gap / 1000, f"{gap:g}")
-        med, p90 = summary(overhead)
-        rows.append(f"| Verify, target only: wall − compute | {gap:g} ms | {med:.3f} | {p90:.3f} | "
-                    f"{summary(compute)[0]:.3f} |")
+        for stream, name in ((False, "Verify"), (True, "VerifyStream message")):
+            overhead, compute = await time_verify(target_address, calls, gap / 1000, f"{gap:g}-{stream}", stream)
+            med, p90 = summary(overhead)
+            rows.append(f"| {name}, target only: wall − compute | {gap:g} ms | {med:.3f} | {p90:.3f} | "
+                        f"{summary(compute)[0]:.3f} |")
     return rows
 
 

@@ -37,14 +37,12 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
     def __init__(self, host: ReplicaHost) -> None:
         self.host = host
 
-    async def Propose(self, request, context):
-        try:
-            job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling))
-            result = await self.host.batcher.submit(job)
-            if isinstance(result, Exception):
-                raise result
-        except SpecDecError as exc:
-            await abort(context, exc)
+    async def propose(self, request: replica_pb2.ProposeRequest) -> replica_pb2.ProposeResponse:
+        """One proposal, for the unary call and for each message of a stream."""
+        job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling))
+        result = await self.host.batcher.submit(job)
+        if isinstance(result, Exception):
+            raise result
         enc = encode(result.q)
         return replica_pb2.ProposeResponse(
             draft_tokens=result.tokens, cache_length=result.cache_length, compute_ms=result.compute_ms,
@@ -53,6 +51,22 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
                 vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
                 sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
                 row_lengths=enc.row_lengths))
+
+    async def Propose(self, request, context):
+        try:
+            return await self.propose(request)
+        except SpecDecError as exc:
+            await abort(context, exc)
+
+    async def ProposeStream(self, request_iterator, context):
+        async for request in request_iterator:
+            try:
+                response = await self.propose(request)
+            except SpecDecError as exc:
+                await abort(context, exc)
+            yield response
+            if self.host.draining:  # end the stream between two rounds: the next call moves on
+                return
 
     async def Release(self, request, context):
         return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))

@@ -18,6 +18,7 @@ import grpc
 
 from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
+from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
 from specdec import metrics, rounds
 from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
@@ -79,7 +80,7 @@ def ref_pb(ref: CacheRef) -> replica_pb2.CacheRef:
 class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
                  costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
-                 overlap_min_hit: float = OVERLAP_MIN_HIT) -> None:
+                 overlap_min_hit: float = OVERLAP_MIN_HIT, streams: bool = True) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -89,6 +90,7 @@ class Generator:
         self.call_timeout = call_timeout
         self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
         self.overlap_min_hit = overlap_min_hit
+        self.streams = streams  # a generation's Propose/Verify calls go over one stream per replica
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
@@ -121,7 +123,7 @@ class Generator:
             raise DeadlineExceeded("the client's deadline passed during generation")
         return min(left, self.call_timeout)
 
-    async def _propose(self, handle, gamma, params_pb, deadline, stats):
+    async def _propose(self, links, handle, gamma, params_pb, deadline, stats):
         """→ (tokens, distributions pb) or None when no draft replica can serve."""
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
@@ -134,7 +136,7 @@ class Generator:
                 cache=ref_pb(ref), num_tokens=gamma, sampling=params_pb)
             t0 = time.perf_counter()
             try:
-                resp = await self.pools.draft(handle.draft_replica).Propose(request, timeout=self._timeout(deadline))
+                resp = await links.propose(handle.draft_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
                 self._on_error(exc, handle, "draft", deadline, stats)
                 continue
@@ -148,7 +150,7 @@ class Generator:
             return resp
         return None
 
-    async def _verify(self, handle, draft_tokens, dists, params_pb, deadline, stats):
+    async def _verify(self, links, handle, draft_tokens, dists, params_pb, deadline, stats):
         for _ in range(MAX_ATTEMPTS):
             if not handle.target_replica:
                 handle.target_replica = await self.pools.require("target")
@@ -158,7 +160,7 @@ class Generator:
                 cache=ref_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=params_pb)
             t0 = time.perf_counter()
             try:
-                resp = await self.pools.target(handle.target_replica).Verify(request, timeout=self._timeout(deadline))
+                resp = await links.verify(handle.target_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
                 self._on_error(exc, handle, "target", deadline, stats)
                 continue
@@ -203,7 +205,7 @@ class Generator:
         raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")
 
     # ----------------------------------------------------------------- overlapped drafting
-    async def _predraft(self, handle, start, last_draft, gamma, params_pb, deadline, stats):
+    async def _predraft(self, links, handle, start, last_draft, gamma, params_pb, deadline, stats):
         """While the target verifies round k, draft round k+1 as if round k were accepted in
         full: feed the last draft token, guess the bonus token, and draft γ more after it.
         One attempt; any failure just means no pre-draft."""
@@ -211,7 +213,7 @@ class Generator:
             cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, [last_draft])),
             num_tokens=gamma + 1, sampling=params_pb)
         try:
-            resp = await self.pools.draft(handle.draft_replica).Propose(request, timeout=self._timeout(deadline))
+            resp = await links.propose(handle.draft_replica, request, self._timeout(deadline))
         except (grpc.aio.AioRpcError, DeadlineExceeded):
             return None
         stats.wire_bytes += resp.ByteSize()
@@ -220,10 +222,14 @@ class Generator:
     async def _take_predraft(self, ahead: asyncio.Task, verdict, gamma: int, stats: "Stats"):
         """Keep the pre-draft only if round k was accepted in full and its bonus token is the
         one the draft guessed; the rest was drafted on exactly the committed prefix, with the
-        same per-position randomness, so it is the draft the next round would have made."""
+        same per-position randomness, so it is the draft the next round would have made.
+        A wasted pre-draft on a stream is left to finish (it usually has: drafting is the
+        shorter half of a round); the next call on that stream queues behind it, where
+        cancelling would cost the stream."""
         metrics.OVERLAP.labels("attempt").inc()
         if verdict.accepted < gamma:
-            ahead.cancel()
+            if not self.streams:
+                ahead.cancel()
             return None
         spec = await ahead
         if spec is None or not spec.draft_tokens or spec.draft_tokens[0] != verdict.next_token:
@@ -244,6 +250,7 @@ class Generator:
         t_start = time.perf_counter()
         owner = f"{id(self)}:{random.getrandbits(32)}"
         handle = await self._open(req, owner)
+        links = SessionLinks(self.pools, self.streams)
         stats = Stats()
         policy = SessionPolicy(fixed=req.gamma, deterministic=req.seeded and req.params.temperature > 0)
         text = TextStream(self.tokenizer, req.stop)
@@ -273,7 +280,7 @@ class Generator:
                     gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
                     draft_tokens, dists = [], None
                     if gamma > 0:
-                        prop = await self._propose(handle, gamma, params_pb, deadline, stats)
+                        prop = await self._propose(links, handle, gamma, params_pb, deadline, stats)
                         if prop is None:
                             gamma = 0
                         else:
@@ -285,10 +292,10 @@ class Generator:
                         and policy.alpha ** (gamma + 1) >= self.overlap_min_hit):
                     g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
                     if g2 > 0:
-                        ahead = asyncio.create_task(self._predraft(handle, m + gamma - 1, draft_tokens[-1], g2,
+                        ahead = asyncio.create_task(self._predraft(links, handle, m + gamma - 1, draft_tokens[-1], g2,
                                                                    params_pb, deadline, stats))
                 try:
-                    verdict = await self._verify(handle, draft_tokens, dists, params_pb, deadline, stats)
+                    verdict = await self._verify(links, handle, draft_tokens, dists, params_pb, deadline, stats)
                 except BaseException:
                     if ahead is not None:
                         ahead.cancel()
@@ -324,7 +331,7 @@ class Generator:
             metrics.ACTIVE_SESSIONS.dec()
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
-            await asyncio.shield(self._close(handle, req, owner, pending))
+            await asyncio.shield(self._close(handle, req, owner, pending, links))
         metrics.TOKENS.inc(len(generated))
         return Outcome(handle.session_id, generated, reason, stats, prompt_len, p.seed, handle.draft_replica,
                        handle.target_replica, (time.perf_counter() - t_start) * 1000)
@@ -351,7 +358,7 @@ class Generator:
         await emit(text, new)
 
     async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str,
-                     pending: asyncio.Future | None = None) -> None:
+                     pending: asyncio.Future | None = None, links: SessionLinks | None = None) -> None:
         """Ephemeral sessions are released on both replicas and their handle deleted;
         kept sessions are unlocked for the next call. A round's commit still in flight
         (the loop ended by an error or a cancellation) lands first, so that it cannot
@@ -360,6 +367,8 @@ class Generator:
             await asyncio.wait([pending])
             if not pending.cancelled():
                 pending.exception()  # already raised by the loop, or superseded by its error
+        if links is not None:
+            await links.close()
         keep = req.keep_session or bool(req.session_id)
         if keep:
             await self.store.unlock(handle.session_id, owner)

@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap-min-hit", type=float, default=float(env("OVERLAP_MIN_HIT", 0.25)),
                     help="pre-draft round k+1 while round k is verified when the estimated chance of "
                          "using it (α^(γ+1)) is at least this; 0 = always, above 1 = never [SPECDEC_OVERLAP_MIN_HIT]")
+    ap.add_argument("--internal-calls", choices=("stream", "unary"), default=env("INTERNAL_CALLS", "stream"),
+                    help="how a generation calls the pools: one stream per replica for the whole generation "
+                         "(saves a call set-up per round) or a unary call per round [SPECDEC_INTERNAL_CALLS]")
     ap.add_argument("--pool-tls-server-name", default=env("POOL_TLS_SERVER_NAME"),
                     help="name in the pools' certificate, when it does not match the dialled address "
                          "(e.g. specdec-draft.specdec.svc) [SPECDEC_POOL_TLS_SERVER_NAME]")
@@ -250,7 +253,8 @@ async def serve(args: argparse.Namespace) -> None:
     pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
                         args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), CostModel(),
-                          overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit)
+                          overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
+                          streams=args.internal_calls == "stream")
     token = read_secret(args.api_token_file)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)

@@ -50,6 +50,11 @@ class ReplicaHost:
         self.redis = redis_client(args.redis_url, args.redis_password_file)
         self.heartbeat = Heartbeat(Registry(self.redis), self.info)
 
+    @property
+    def draining(self) -> bool:
+        """Stopping: calls in flight finish, round streams end after their current message."""
+        return self.shell.stopping.is_set()
+
     def _on_batch(self, size: int, seconds: float, held: float) -> None:
         # per batch only pre-bound children; the session and cache gauges, a walk over
         # every session, follow the heartbeat in info()

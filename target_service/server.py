@@ -34,20 +34,34 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
     def __init__(self, host: ReplicaHost) -> None:
         self.host = host
 
-    async def Verify(self, request, context):
-        try:
-            gamma = len(request.draft_tokens)
-            q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size)
-            job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q,
-                            params_from_pb(request.sampling))
-            result = await self.host.batcher.submit(job)
-            if isinstance(result, Exception):
-                raise result
-        except SpecDecError as exc:
-            await abort(context, exc)
+    async def verify(self, request: replica_pb2.VerifyRequest) -> replica_pb2.VerifyResponse:
+        """One verification, for the unary call and for each message of a stream."""
+        gamma = len(request.draft_tokens)
+        q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size)
+        job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q,
+                        params_from_pb(request.sampling))
+        result = await self.host.batcher.submit(job)
+        if isinstance(result, Exception):
+            raise result
         return replica_pb2.VerifyResponse(
             accepted=result.accepted, next_token=result.next_token, cache_length=result.cache_length,
             compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced)
+
+    async def Verify(self, request, context):
+        try:
+            return await self.verify(request)
+        except SpecDecError as exc:
+            await abort(context, exc)
+
+    async def VerifyStream(self, request_iterator, context):
+        async for request in request_iterator:
+            try:
+                response = await self.verify(request)
+            except SpecDecError as exc:
+                await abort(context, exc)
+            yield response
+            if self.host.draining:  # end the stream between two rounds: the next call moves on
+                return
 
     async def Release(self, request, context):
         return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))

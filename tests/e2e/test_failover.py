@@ -6,6 +6,7 @@ leaving fewer replicas for the next (a test run alone starts what it lacks).
 """
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -40,13 +41,13 @@ def references(stub, prompts=PROMPTS) -> list[list[int]]:
     return [list(stub.Generate(request(p, NEW_TOKENS, 0.0), timeout=120).token_ids) for p in prompts]
 
 
-def kill_busiest(stack, streams: Streams, kind: str) -> tuple[str, set[str]]:
-    """Once every stream is under way, SIGKILL the replica of `kind` holding the most of
-    their sessions; → (its address, the sessions it held)."""
+def kill_busiest(stack, streams: Streams, kind: str, sig: int = signal.SIGKILL) -> tuple[str, set[str]]:
+    """Once every stream is under way, send `sig` to the replica of `kind` holding the most
+    of their sessions and wait for it to exit; → (its address, the sessions it held)."""
     streams.wait_first_chunks()
     placed = {sid: h[kind] for sid, h in session_handles(stack).items()}
     victim = max(live_replicas(stack, kind), key=lambda r: sum(a == r.address for a in placed.values()))
-    stack.kill(victim)
+    stack.kill(victim, sig)
     return victim.address, {sid for sid, a in placed.items() if a == victim.address}
 
 
@@ -69,6 +70,20 @@ def test_replica_killed_mid_stream_is_invisible_to_clients(stack, kind):
     streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
     killed, affected = kill_busiest(stack, streams, kind)
     assert_failover_is_invisible(streams.join(), expected, killed, affected, kind)
+
+
+@pytest.mark.parametrize("kind", ["target", "draft"])
+def test_replica_stopped_mid_stream_hands_its_sessions_over(stack, kind):
+    """SIGTERM (a rolling update): the replica ends each session's round stream after the
+    message in flight, so the sessions move to the other replica at their next round
+    instead of running on until the drain's grace cuts them off."""
+    ensure(stack, kind, 2)
+    stub = api(stack.orchestrator_address)
+    expected = references(stub)
+    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
+    stopped, affected = kill_busiest(stack, streams, kind, signal.SIGTERM)
+    assert [r.proc.returncode for r in stack.replicas if r.address == stopped] == [0]
+    assert_failover_is_invisible(streams.join(), expected, stopped, affected, kind)
 
 
 def test_empty_draft_pool_falls_back_to_target_only_and_recovers(stack):

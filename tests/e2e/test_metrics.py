@@ -24,6 +24,9 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
         assert 'specdec_requests_total{code="OK",method="Generate"}' in m
         assert m["specdec_gamma_count"] >= r.stats.rounds
         assert "specdec_stage_seconds_bucket{le=\"0.01\",stage=\"verify\"}" in m
+        # one generation: one round stream to each pool, for all its rounds
+        assert m['specdec_internal_streams_opened_total{pool="draft"}'] == 1
+        assert m['specdec_internal_streams_opened_total{pool="target"}'] == 1
         stub = replica_pb2_grpc.TargetStub(grpc.insecure_channel(target.address))
         for session in ("metrics-a", "metrics-b"):  # room for one: the second evicts the first
             stub.Verify(replica_pb2.VerifyRequest(
