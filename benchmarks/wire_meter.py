@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.internal.v1 import replica_pb2
-from specdec.wire import encode
+from draft_service.server import distributions_pb
 
 
 def _params_pb(p) -> replica_pb2.SamplingParams:
@@ -28,14 +28,6 @@ def _params_pb(p) -> replica_pb2.SamplingParams:
 def _ref_pb(ref) -> replica_pb2.CacheRef:
     return replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
                                 tokens=ref.tokens, resync=ref.resync)
-
-
-def _dists_pb(q16) -> replica_pb2.DraftDistributions:
-    enc = encode(q16)
-    return replica_pb2.DraftDistributions(
-        vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
-        sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
-        row_lengths=enc.row_lengths)
 
 
 @dataclass
@@ -62,7 +54,7 @@ class MeteredDraft:
         results = self.engine.propose(jobs)
         job, res = jobs[0], results[0]
         if not isinstance(res, Exception):
-            dists = _dists_pb(res.q)
+            dists = distributions_pb(res.q)
             req = replica_pb2.ProposeRequest(cache=_ref_pb(job.ref), num_tokens=job.gamma, sampling=_params_pb(job.params))
             resp = replica_pb2.ProposeResponse(draft_tokens=res.tokens, distributions=dists, cache_length=res.cache_length,
                                                compute_ms=res.compute_ms, batch_size=res.batch_size)

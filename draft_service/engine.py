@@ -2,7 +2,9 @@
 
 Knows nothing of gRPC. Each step is one packed forward over every session still
 drafting; the distributions are quantised to their wire form before sampling, so the
-tokens are drawn from exactly what the target will receive.
+tokens are drawn from exactly what the target will receive. Greedy sessions send no
+distributions: the greedy rule needs only the tokens (sampling.verify_greedy), and a
+batch of greedy sessions only takes the argmax of each step.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class ProposeJob:
 @dataclass
 class Proposal:
     tokens: list[int]  # [γ]
-    q: torch.Tensor  # [γ, V] float32 quantised (fp16-exact) distributions
+    q: torch.Tensor | None  # [γ, V] float32 quantised (fp16-exact) distributions; None when greedy
     cache_length: int
     compute_ms: float = 0.0
     batch_size: int = 1
@@ -79,12 +81,16 @@ class DraftEngine:
             self.fed_tokens += sum(len(it.tokens) for it in items)
             # the whole batch's step at once: one set of operators per sampling law, not per session
             params = [jobs[i].params for i in live]
-            q16 = quantize(sampling.probs_rows(logits, params))  # [live, V]
-            tokens = sampling.draft_tokens_rows(q16, params, [caches[i].length for i in live]).cpu()
+            if all(p.greedy for p in params):
+                q16, tokens = None, logits.argmax(-1).cpu()
+            else:
+                q16 = quantize(sampling.probs_rows(logits, params))  # [live, V]
+                tokens = sampling.draft_tokens_rows(q16, params, [caches[i].length for i in live]).cpu()
             still = []
             for row, (i, token) in enumerate(zip(live, tokens.tolist())):
                 drafted[i][0].append(token)
-                drafted[i][1].append(q16[row])
+                if not jobs[i].params.greedy:
+                    drafted[i][1].append(q16[row])
                 if step + 1 < jobs[i].gamma:
                     feed[i] = tokens[row : row + 1]
                     still.append(i)
@@ -92,7 +98,7 @@ class DraftEngine:
             step += 1
         ms = (time.perf_counter() - t0) * 1000
         for i, (tokens, rows) in drafted.items():
-            results[i] = Proposal(tokens=tokens, q=torch.stack(rows), cache_length=caches[i].length,
+            results[i] = Proposal(tokens=tokens, q=torch.stack(rows) if rows else None, cache_length=caches[i].length,
                                   compute_ms=ms, batch_size=len(drafted))
         return results  # type: ignore[return-value]
 

@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import math
 
+import torch
+
 from draft_service.engine import DraftEngine, ProposeJob
 from specdec import sampling
 from specdec.config import add_common_args, add_replica_args
@@ -33,6 +35,18 @@ def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:
     return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed)
 
 
+def distributions_pb(q16: torch.Tensor | None) -> replica_pb2.DraftDistributions | None:
+    """A proposal's quantised distributions in their wire form; None (the field unset) for
+    a greedy proposal, which has none."""
+    if q16 is None:
+        return None
+    enc = encode(q16)
+    return replica_pb2.DraftDistributions(
+        vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
+        sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
+        row_lengths=enc.row_lengths)
+
+
 class DraftServicer(replica_pb2_grpc.DraftServicer):
     def __init__(self, host: ReplicaHost) -> None:
         self.host = host
@@ -43,14 +57,9 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result
-        enc = encode(result.q)
         return replica_pb2.ProposeResponse(
             draft_tokens=result.tokens, cache_length=result.cache_length, compute_ms=result.compute_ms,
-            batch_size=result.batch_size,
-            distributions=replica_pb2.DraftDistributions(
-                vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
-                sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
-                row_lengths=enc.row_lengths))
+            batch_size=result.batch_size, distributions=distributions_pb(result.q))
 
     async def Propose(self, request, context):
         try:

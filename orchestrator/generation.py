@@ -236,12 +236,15 @@ class Generator:
             return None
         metrics.OVERLAP.labels("hit").inc()
         stats.overlap_hits += 1
-        d = spec.distributions
-        enc = drop_first_rows(EncodedDistributions(d.vocab_size, d.sparse, d.dense_fp16, d.sparse_ids_int32,
-                                                   d.sparse_probs_fp16, tuple(d.row_lengths)), 1)
-        dists = replica_pb2.DraftDistributions(vocab_size=enc.vocab_size, sparse=enc.sparse,
-                                               dense_fp16=enc.dense_fp16, sparse_ids_int32=enc.sparse_ids_int32,
-                                               sparse_probs_fp16=enc.sparse_probs_fp16, row_lengths=enc.row_lengths)
+        dists = None  # a greedy proposal has none
+        if spec.HasField("distributions"):
+            d = spec.distributions
+            enc = drop_first_rows(EncodedDistributions(d.vocab_size, d.sparse, d.dense_fp16, d.sparse_ids_int32,
+                                                       d.sparse_probs_fp16, tuple(d.row_lengths)), 1)
+            dists = replica_pb2.DraftDistributions(
+                vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
+                sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
+                row_lengths=enc.row_lengths)
         tokens = list(spec.draft_tokens[1:])
         return tokens, dists, len(tokens)
 
@@ -284,7 +287,8 @@ class Generator:
                         if prop is None:
                             gamma = 0
                         else:
-                            draft_tokens, dists = list(prop.draft_tokens), prop.distributions
+                            draft_tokens = list(prop.draft_tokens)
+                            dists = prop.distributions if prop.HasField("distributions") else None
                 ahead = None
                 # a pre-draft pays only when the round is likely to be accepted in full with the
                 # bonus guessed right (≈ α^(γ+1)); otherwise it is draft work thrown away

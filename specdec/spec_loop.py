@@ -76,7 +76,9 @@ def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma
                 t0 = time.perf_counter()
                 prop = _unwrap(draft.propose([ProposeJob(rounds.draft_ref(session_id, 1, committed, cur), g, params)])[0])
                 draft_tokens, q = prop.tokens, prop.q
-                if through_wire:  # exactly what the distributed pipeline sends
+                if q is None:  # greedy: no distributions, the rule compares tokens
+                    pass
+                elif through_wire:  # exactly what the distributed pipeline sends
                     q = decode(encode(q), g)
                 else:
                     q = q.double() / q.double().sum(-1, keepdim=True)

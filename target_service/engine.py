@@ -24,7 +24,7 @@ MAX_GAMMA = 16
 class VerifyJob:
     ref: CacheRef
     draft_tokens: list[int]  # [γ], may be empty (target-only decoding)
-    q: torch.Tensor | None  # [γ, V] float64 draft distributions, None when γ = 0
+    q: torch.Tensor | None  # [γ, V] float64 draft distributions; None when γ = 0, may be None when greedy
     params: sampling.SamplingParams
 
     @property
@@ -56,7 +56,10 @@ class TargetEngine:
             raise InvalidRequest(f"at most {MAX_GAMMA} draft tokens per call, got {gamma}")
         if not job.ref.tokens:
             raise InvalidRequest("verification needs at least one new committed token to feed")
-        if gamma and (job.q is None or tuple(job.q.shape) != (gamma, self.runner.vocab_size)):
+        if job.q is None and gamma and not job.params.greedy:
+            raise InvalidRequest(f"sampling at temperature {job.params.temperature} needs the draft's "
+                                 f"distributions: [{gamma}, {self.runner.vocab_size}]")
+        if job.q is not None and tuple(job.q.shape) != (gamma, self.runner.vocab_size):
             raise InvalidRequest(f"draft distributions must have shape [{gamma}, {self.runner.vocab_size}]")
         vocab = self.runner.vocab_size
         if any(t < 0 or t >= vocab for t in job.draft_tokens):

@@ -17,8 +17,10 @@ from target_service.engine import TargetEngine, VerifyJob
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
-def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int):
-    if gamma == 0:
+def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int, greedy: bool = False):
+    """The draft's distributions, or None where none are needed: no draft, or a greedy
+    request that sent none (the greedy rule compares tokens only)."""
+    if gamma == 0 or (greedy and pb.vocab_size == 0):
         return None
     if pb.vocab_size != vocab:
         raise InvalidRequest(f"draft distributions are over {pb.vocab_size} tokens but the target has {vocab}")
@@ -37,9 +39,9 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
     async def verify(self, request: replica_pb2.VerifyRequest) -> replica_pb2.VerifyResponse:
         """One verification, for the unary call and for each message of a stream."""
         gamma = len(request.draft_tokens)
-        q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size)
-        job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q,
-                        params_from_pb(request.sampling))
+        params = params_from_pb(request.sampling)
+        q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size, params.greedy)
+        job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q, params)
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result

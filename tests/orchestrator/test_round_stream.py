@@ -39,6 +39,7 @@ async def decode(links: SessionLinks, draft: str, target: str, prompt: list[int]
         d = rounds.draft_ref(sid, 1, committed, cur)
         prop = await links.propose(draft, rpb.ProposeRequest(
             cache=ref(sid, d.start, d.tokens), num_tokens=3, sampling=params), 30)
+        assert prop.HasField("distributions") == (params.temperature > 0)  # greedy sends none
         t = rounds.target_ref(sid, 1, committed, cur)
         verdict = await links.verify(target, rpb.VerifyRequest(
             cache=ref(sid, t.start, t.tokens), draft_tokens=prop.draft_tokens,

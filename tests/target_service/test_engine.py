@@ -1,9 +1,11 @@
 """TargetEngine's batched decision: one batch of mixed sessions (greedy and sampled laws,
 different γ, γ = 0) must reach, for each session, exactly the verdict the pure functions
 of specdec.sampling give that session on its own rows."""
+import pytest
 import torch
 
 from specdec import sampling
+from specdec.errors import InvalidRequest
 from specdec.model_runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.sessions import CacheRef
@@ -51,3 +53,18 @@ def test_a_mixed_batch_decides_each_session_as_if_alone(target_model):
             row += n
             deepest = max(deepest, verdict[0])
     assert deepest >= 2  # the test reached past the first draft token
+
+
+def test_greedy_verification_needs_no_distributions_and_sampling_does(target_model):
+    """A greedy draft travels without its distributions: the verdict is the one its one-hot
+    distributions would give. A sampled draft without them is refused, clearly."""
+    engine = TargetEngine(ModelRunner(target_model))
+    V = engine.runner.vocab_size
+    draft = [17, 42, 99]
+    one_hot = torch.zeros(len(draft), V, dtype=torch.float64)
+    one_hot[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+    verdicts = engine.verify([VerifyJob(CacheRef("bare", 1, 0, [5, 6, 7]), draft, None, SamplingParams(0.0)),
+                              VerifyJob(CacheRef("hot", 1, 0, [5, 6, 7]), draft, one_hot, SamplingParams(0.0))])
+    assert (verdicts[0].accepted, verdicts[0].next_token) == (verdicts[1].accepted, verdicts[1].next_token)
+    refused = engine.verify([VerifyJob(CacheRef("t1", 1, 0, [5, 6, 7]), draft, None, SamplingParams(1.0, seed=1))])[0]
+    assert isinstance(refused, InvalidRequest) and "needs the draft's distributions" in str(refused)
