@@ -15,7 +15,9 @@ streams; then a γ sweep of (d) at one stream. At concurrency c a run has
 max(prompts, per_stream·c) requests cycling over the prompts (--per-stream, default 3: with
 one request per stream, a 16-stream run is mostly its ramp — every stream prefilling at
 once, then a tail with fewer streams left — rather than 16 streams kept busy). Request i
-carries seed 1000 + i in every system, so (c) and (d) must agree token for token.
+carries seed 1000 + i in every system but (e), so (c) and (d) must agree token for token;
+(e) sends no seed (benchmarks/remote.py), so that at temperature 1 too it runs the
+load-adaptive policy that unseeded requests get.
 
 All of that is measured --repeats times (default 2), the in-process part first on even
 passes and the distributed part first on odd ones, and each run's passes are pooled

@@ -2,8 +2,10 @@
 policy (num_speculative_tokens unset), (f) target only (num_speculative_tokens = 0).
 
 A grpc.aio client keeps c streams busy: c workers take requests from one queue, each
-sends GenerateStream with prompt_token_ids (the same ids as in-process) and the request's
-seed, and reads the chunks. The orchestrator emits one chunk per round holding that
+sends GenerateStream with prompt_token_ids (the same ids as in-process) and, for a fixed
+γ ((d), (f)), the request's seed, and reads the chunks. (e) sends none: with a seed at
+temperature 1 the orchestrator would use its deterministic γ policy, which cannot react
+to load, and (e) is the load-adaptive system. The orchestrator emits one chunk per round holding that
 round's new tokens (accepted + 1), so a fixed-γ run also yields each round's accepted
 count, hence α; the final chunk's GenerationStats give rounds, drafted/accepted tokens,
 target passes and the stage times (draft, verify, network = RPC wall time minus the
@@ -29,9 +31,11 @@ def _request(r: Request, mode: str, max_new: int, gamma: int | None) -> pb.Gener
     req = pb.GenerateRequest(prompt_token_ids=list(r.prompt_ids), max_new_tokens=max_new, top_k=p.top_k)
     req.temperature = p.temperature
     req.top_p = p.top_p
-    req.seed = r.seed
-    if gamma is not None:
+    if gamma is not None:  # fixed γ: seeded, so that (d) must reproduce (c) token for token
         req.num_speculative_tokens = gamma
+        req.seed = r.seed
+    # (e) sends no seed, as a client that does not ask for reproducibility: a seeded request
+    # at t > 0 gets the deterministic policy, which by design ignores load (gamma_policy)
     return req
 
 

@@ -198,7 +198,9 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"- workload: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens per request, at concurrency c "
            f"max({args.prompts}, {args.per_stream}·c) requests, measured in {args.repeats} interleaved pass(es) and pooled, each "
            f"pass's distributed runs after {args.warm_up:.0f} s of warm-up traffic; "
-           f"fixed γ = {args.gamma}; torch threads: {args.threads} in-process, "
+           f"fixed γ = {args.gamma}; request i carries seed 1000 + i except in (e), which sends none "
+           f"(a seeded request at t = 1 would get the deterministic γ policy, which ignores load); "
+           f"torch threads: {args.threads} in-process, "
            f"{args.server_threads} per replica; wall time of the whole run {meta['elapsed']:.0f} s",
            "", "## Targets (issue 4, and issue 2's in-process loop against HF assisted generation)", "",
            "Each target is a ratio of aggregate tokens/s measured in this run; it passes when measured ≥ required.", "",

@@ -28,6 +28,14 @@ per-token cost rises with load: γ shrinks as the target saturates and reaches 0
 speculation) when drafting no longer pays, and grows again as load falls.
 A session at γ = 0 probes with a short draft now and then so its α stays current.
 
+A session's own α rests on a few dozen draft tokens, so it is noisy (about ±0.09 after
+ten rounds at α 0.7), and where speculation pays only a little — temperature 1 on this
+pair — a low draw tips the choice to γ = 0, where the estimate stops moving until the
+next probe (measured: unseeded one-stream runs at t = 1 averaged γ 1.0–1.7, slower than
+a fixed γ = 4). So the estimate is shrunk towards the rate of all recent sessions of the
+same sampling kind (greedy or sampled) in this process, weighted as `POOL_WEIGHT` draft
+tokens: a session's own evidence still dominates once it has some.
+
 Reproducibility: which token a seeded sample yields depends on where round boundaries
 fall, so a request that fixes its seed at temperature > 0 gets a *deterministic* policy:
 its own α estimate (a function of its own tokens) against the fixed reference costs
@@ -61,6 +69,8 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 EXPLORE_EVERY = 8  # every 8th adaptive round of a session tries a neighbour of its best γ
 MEASURED_AFTER = 4  # calls with a given γ before their measured time replaces the model
 ALONE_BELOW = 1.5  # mean sessions per verify batch under which the measured times are used
+POOL_WEIGHT = 8.0  # draft tokens' worth of weight the process-wide α has in a session's estimate
+POOL_AFTER = 20  # rounds of a sampling kind before its process-wide α is used
 
 
 @dataclass
@@ -87,6 +97,20 @@ class CostModel:
     batch: Ema = field(default_factory=Ema)  # sessions per verify batch
     draft_by_gamma: dict[int, Ema] = field(default_factory=dict)  # ms of a whole draft call, per γ
     verify_by_gamma: dict[int, Ema] = field(default_factory=dict)  # ms of a whole verify call, per γ
+    pool_accepted: dict[bool, Ema] = field(default_factory=dict)  # per round, keyed by greedy
+    pool_tried: dict[bool, Ema] = field(default_factory=dict)
+
+    def observe_acceptance(self, greedy: bool, gamma: int, accepted: int) -> None:
+        """One speculative round of some session: the process-wide α of its sampling kind."""
+        if gamma > 0:
+            self.pool_accepted.setdefault(greedy, Ema(weight=0.02)).update(float(accepted))
+            self.pool_tried.setdefault(greedy, Ema(weight=0.02)).update(float(min(accepted + 1, gamma)))
+
+    def pool_alpha(self, greedy: bool) -> float | None:
+        accepted, tried = self.pool_accepted.get(greedy), self.pool_tried.get(greedy)
+        if accepted is None or accepted.count < POOL_AFTER or not tried.value:
+            return None
+        return accepted.value / tried.value
 
     def observe_draft(self, gamma: int, ms: float, compute_ms: float, batch_size: int = 1) -> None:
         """A draft call of γ tokens took `ms` here, `compute_ms` of it in the replica's engine,
@@ -171,10 +195,42 @@ class SessionPolicy:
     rounds: int = 0
     max_gamma: int = MAX_GAMMA
     deterministic: bool = False  # seeded sampling: ignore measured costs
+    guessed: float = 2.0  # Beta(2, 1) prior of the pre-draft's bonus guess being right
+    guesses: float = 3.0
+    greedy: bool = False  # the sampling kind, whose process-wide α the estimate leans on
+    estimate: float | None = None  # the α of the last choice
+
+    def pooled_alpha(self, costs: "CostModel") -> float:
+        """The session's α shrunk towards its kind's process-wide α; a deterministic
+        (seeded) policy uses its own tokens only."""
+        pool = None if self.deterministic else costs.pool_alpha(self.greedy)
+        if pool is None:
+            return self.alpha
+        return min(0.99, (self.accepted + POOL_WEIGHT * pool) / (self.trials + POOL_WEIGHT))
 
     @property
     def alpha(self) -> float:
         return min(0.99, self.accepted / self.trials)
+
+    @property
+    def guess_rate(self) -> float:
+        return self.guessed / self.guesses
+
+    def predraft_hit(self, gamma: int) -> float:
+        """The chance that a pre-draft of the next round gets used: all γ accepted (α^γ) and
+        the bonus token guessed right. Greedy guesses right about as often as it accepts
+        (both are the two argmaxes agreeing), but at temperature 1 the target's bonus and
+        the draft's guess are independent draws, which agree far less often than α (on
+        the bundled pair Σ p·q ≈ 0.15 against α ≈ 0.69): so the guess rate is learnt per
+        session from the fully accepted rounds, not assumed. A function of the session's
+        own tokens, so a seeded request stays reproducible."""
+        alpha = self.alpha if self.estimate is None else self.estimate
+        return alpha ** gamma * self.guess_rate
+
+    def observe_guess(self, right: bool, decay: float = 0.9) -> None:
+        """A fully accepted round whose pre-draft's first token was (not) the bonus."""
+        self.guessed = decay * self.guessed + float(right)
+        self.guesses = decay * self.guesses + 1.0
 
     def observe(self, gamma: int, accepted: int, decay: float = 0.9) -> None:
         if gamma <= 0:
@@ -186,9 +242,10 @@ class SessionPolicy:
     def choose(self, costs: CostModel) -> int:
         if self.fixed is not None:
             return self.fixed
+        alpha = self.estimate = self.pooled_alpha(costs)
         if self.deterministic:
             costs = REFERENCE
-        best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(self.alpha, g) / costs.round_ms(g))
+        best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / costs.round_ms(g))
         self.rounds += 1
         if best > 0 and not self.deterministic and costs.alone and self.rounds % EXPLORE_EVERY == 0:
             # a neighbour, above and below by turns, so that its cost gets measured

@@ -219,7 +219,8 @@ class Generator:
         stats.wire_bytes += resp.ByteSize()
         return resp
 
-    async def _take_predraft(self, ahead: asyncio.Task, verdict, gamma: int, stats: "Stats"):
+    async def _take_predraft(self, ahead: asyncio.Task, verdict, gamma: int, stats: "Stats",
+                             policy: SessionPolicy):
         """Keep the pre-draft only if round k was accepted in full and its bonus token is the
         one the draft guessed; the rest was drafted on exactly the committed prefix, with the
         same per-position randomness, so it is the draft the next round would have made.
@@ -232,7 +233,10 @@ class Generator:
                 ahead.cancel()
             return None
         spec = await ahead
-        if spec is None or not spec.draft_tokens or spec.draft_tokens[0] != verdict.next_token:
+        if spec is None or not spec.draft_tokens:
+            return None
+        policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
+        if spec.draft_tokens[0] != verdict.next_token:
             return None
         metrics.OVERLAP.labels("hit").inc()
         stats.overlap_hits += 1
@@ -255,7 +259,8 @@ class Generator:
         handle = await self._open(req, owner)
         links = SessionLinks(self.pools, self.streams)
         stats = Stats()
-        policy = SessionPolicy(fixed=req.gamma, deterministic=req.seeded and req.params.temperature > 0)
+        policy = SessionPolicy(fixed=req.gamma, deterministic=req.seeded and req.params.temperature > 0,
+                               greedy=req.params.greedy)
         text = TextStream(self.tokenizer, req.stop)
         p = req.params
         params_pb = replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
@@ -291,9 +296,10 @@ class Generator:
                             dists = prop.distributions if prop.HasField("distributions") else None
                 ahead = None
                 # a pre-draft pays only when the round is likely to be accepted in full with the
-                # bonus guessed right (≈ α^(γ+1)); otherwise it is draft work thrown away
+                # bonus guessed right; otherwise it is draft work thrown away, which also slows
+                # the verification it runs beside on shared cores
                 if (self.overlap and policy.fixed is None and gamma > 0 and handle.draft_replica
-                        and policy.alpha ** (gamma + 1) >= self.overlap_min_hit):
+                        and policy.predraft_hit(gamma) >= self.overlap_min_hit):
                     g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
                     if g2 > 0:
                         ahead = asyncio.create_task(self._predraft(links, handle, m + gamma - 1, draft_tokens[-1], g2,
@@ -305,7 +311,7 @@ class Generator:
                         ahead.cancel()
                     raise
                 if ahead is not None:
-                    pre = await self._take_predraft(ahead, verdict, gamma, stats)
+                    pre = await self._take_predraft(ahead, verdict, gamma, stats, policy)
                 new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
                 out_text, kept = text.push(new)
                 if self.eos_id is not None and self.eos_id in new[:kept]:
@@ -343,6 +349,7 @@ class Generator:
     def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int) -> None:
         stats.observe(gamma, accepted)
         policy.observe(gamma, accepted)
+        self.costs.observe_acceptance(policy.greedy, gamma, accepted)
         metrics.ROUNDS.inc()
         metrics.GAMMA.observe(gamma)
         if gamma:

@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CA that signed the pools' certificates; set = TLS to the pools [SPECDEC_POOL_CA_FILE]")
     ap.add_argument("--overlap-min-hit", type=float, default=float(env("OVERLAP_MIN_HIT", 0.25)),
                     help="pre-draft round k+1 while round k is verified when the estimated chance of "
-                         "using it (α^(γ+1)) is at least this; 0 = always, above 1 = never [SPECDEC_OVERLAP_MIN_HIT]")
+                         "using it (α^γ times the session's rate of right bonus guesses) is at least this; "
+                         "0 = always, above 1 = never [SPECDEC_OVERLAP_MIN_HIT]")
     ap.add_argument("--internal-calls", choices=("stream", "unary"), default=env("INTERNAL_CALLS", "stream"),
                     help="how a generation calls the pools: one stream per replica for the whole generation "
                          "(saves a call set-up per round) or a unary call per round [SPECDEC_INTERNAL_CALLS]")

@@ -134,3 +134,35 @@ def test_deterministic_policy_choices_are_the_documented_ones():
     chosen = [SessionPolicy(accepted=100.0 * a, trials=100.0, deterministic=True).choose(CostModel())
               for a in (0.5, 0.6, 0.7, 0.8, 0.9)]
     assert chosen == [2, 3, 4, 5, 8]
+
+
+def test_a_session_leans_on_the_process_wide_alpha_of_its_kind():
+    """Three unlucky rounds must not switch a session off where its kind accepts well;
+    a seeded (deterministic) session uses its own tokens only."""
+    costs = CostModel()
+    _observe(costs, [3] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    for _ in range(100):  # other sampled sessions: 3 of 4 drafted tokens accepted, α = 0.75
+        costs.observe_acceptance(False, 4, 3)
+        costs.observe_acceptance(True, 4, 0)  # greedy sessions do badly: a separate pool
+    assert abs(costs.pool_alpha(False) - 0.75) < 1e-9 and costs.pool_alpha(True) == 0.0
+    unlucky = SessionPolicy(accepted=0.0, trials=3.0)
+    alone = max(range(9), key=lambda g: expected_tokens(unlucky.alpha, g) / costs.round_ms(g))
+    assert alone == 0 and unlucky.choose(costs) >= 2
+    assert unlucky.estimate == 8.0 * 0.75 / (3.0 + 8.0)
+    seeded = SessionPolicy(accepted=0.0, trials=3.0, deterministic=True)
+    assert seeded.choose(costs) == 0 and seeded.estimate == 0.0
+    assert CostModel().pool_alpha(False) is None  # no rounds yet: the session's own estimate
+
+
+def test_pre_drafting_stops_where_the_bonus_guess_is_seldom_right():
+    """At temperature 1 the draft's guess and the target's bonus are independent draws:
+    the session learns how often they agree instead of assuming α."""
+    policy = SessionPolicy(accepted=80.0, trials=100.0)
+    first = policy.predraft_hit(2)
+    assert abs(first - 0.8 ** 2 * 2 / 3) < 1e-9 and first >= 0.25
+    for _ in range(3):
+        policy.observe_guess(False)
+    assert policy.predraft_hit(2) < 0.25  # below the orchestrator's default threshold
+    for _ in range(20):
+        policy.observe_guess(True)
+    assert policy.predraft_hit(2) > first
