@@ -10,8 +10,7 @@ import torch
 from draft_service.engine import DraftEngine, ProposeJob
 from specdec import sampling
 from specdec.config import add_common_args, add_replica_args
-from specdec.errors import InvalidRequest, SpecDecError
-from specdec.grpc_server import abort
+from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_DRAFT
 from specdec.replica import ReplicaHost, build_runner
@@ -62,20 +61,11 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
             batch_size=result.batch_size, distributions=distributions_pb(result.q))
 
     async def Propose(self, request, context):
-        try:
-            return await self.propose(request)
-        except SpecDecError as exc:
-            await abort(context, exc)
+        return await self.host.answer(self.propose, request, context)
 
     async def ProposeStream(self, request_iterator, context):
-        async for request in request_iterator:
-            try:
-                response = await self.propose(request)
-            except SpecDecError as exc:
-                await abort(context, exc)
+        async for response in self.host.answer_stream(self.propose, request_iterator, context):
             yield response
-            if self.host.draining:  # end the stream between two rounds: the next call moves on
-                return
 
     async def Release(self, request, context):
         return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))

@@ -12,7 +12,8 @@ import torch
 from specdec import metrics
 from specdec.batcher import MicroBatcher
 from specdec.config import redis_client, setup_logging
-from specdec.grpc_server import ServerShell, server_credentials
+from specdec.errors import SpecDecError
+from specdec.grpc_server import ServerShell, abort, server_credentials
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model, pick_device, pick_dtype
@@ -54,6 +55,22 @@ class ReplicaHost:
     def draining(self) -> bool:
         """Stopping: calls in flight finish, round streams end after their current message."""
         return self.shell.stopping.is_set()
+
+    async def answer(self, handle, request, context):
+        """A unary call: `handle`'s answer, or its refusal as the matching gRPC status."""
+        try:
+            return await handle(request)
+        except SpecDecError as exc:
+            await abort(context, exc)
+
+    async def answer_stream(self, handle, request_iterator, context):
+        """A round stream: each request answered in order; a refusal ends the stream with the
+        status the unary call would have had; a stopping replica ends it between two rounds,
+        so that the session's next call moves to another replica."""
+        async for request in request_iterator:
+            yield await self.answer(handle, request, context)
+            if self.draining:
+                return
 
     def _on_batch(self, size: int, seconds: float, held: float) -> None:
         # per batch only pre-bound children; the session and cache gauges, a walk over

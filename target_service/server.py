@@ -6,8 +6,7 @@ import asyncio
 
 from draft_service.server import params_from_pb, ref_from_pb
 from specdec.config import add_common_args, add_replica_args
-from specdec.errors import InvalidRequest, SpecDecError
-from specdec.grpc_server import abort
+from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
@@ -50,20 +49,11 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
             compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced)
 
     async def Verify(self, request, context):
-        try:
-            return await self.verify(request)
-        except SpecDecError as exc:
-            await abort(context, exc)
+        return await self.host.answer(self.verify, request, context)
 
     async def VerifyStream(self, request_iterator, context):
-        async for request in request_iterator:
-            try:
-                response = await self.verify(request)
-            except SpecDecError as exc:
-                await abort(context, exc)
+        async for response in self.host.answer_stream(self.verify, request_iterator, context):
             yield response
-            if self.host.draining:  # end the stream between two rounds: the next call moves on
-                return
 
     async def Release(self, request, context):
         return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
