@@ -145,3 +145,24 @@ def test_overlapped_drafting_keeps_the_output_exact(local_stack, target_model, t
     finally:
         local_stack.kill(eager, sig=15)
         local_stack.orchestrators.remove(eager)
+
+
+def test_unary_internal_calls_give_the_same_tokens_as_round_streams(local_stack):
+    """--internal-calls unary (one unary call per request, no streams) is the same loop:
+    greedy and seeded fixed-γ sampling give the streams' tokens, with no stream opened."""
+    from localstack.stack import free_port, scrape_metrics
+
+    port = free_port()
+    unary = local_stack.start_orchestrator(extra=["--internal-calls", "unary", "--metrics-port", str(port)])
+    try:
+        by_streams, by_unary = api(local_stack.orchestrator_address), api(unary.address)
+        for temperature, gamma in ((0.0, None), (1.0, 3)):
+            req = request("def tokens(text):\n", 32, temperature, gamma=gamma, seed=5)
+            a, b = by_streams.Generate(req, timeout=120), by_unary.Generate(req, timeout=120)
+            assert list(a.token_ids) == list(b.token_ids) and b.stats.drafted_tokens > 0
+        metrics = scrape_metrics(port)
+        assert not any(k.startswith("specdec_internal_streams_opened_total{") for k in metrics)
+        assert metrics["specdec_rounds_total"] > 0
+    finally:
+        local_stack.kill(unary, sig=15)
+        local_stack.orchestrators.remove(unary)
