@@ -16,6 +16,7 @@ from specdec.models import BUNDLED_DRAFT
 from specdec.replica import ReplicaHost, build_runner
 from specdec.sessions import CacheRef
 from specdec.wire import encode
+from specdec.wire_pb import to_pb
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
@@ -37,13 +38,7 @@ def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:
 def distributions_pb(q16: torch.Tensor | None) -> replica_pb2.DraftDistributions | None:
     """A proposal's quantised distributions in their wire form; None (the field unset) for
     a greedy proposal, which has none."""
-    if q16 is None:
-        return None
-    enc = encode(q16)
-    return replica_pb2.DraftDistributions(
-        vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
-        sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
-        row_lengths=enc.row_lengths)
+    return None if q16 is None else to_pb(encode(q16))
 
 
 class DraftServicer(replica_pb2_grpc.DraftServicer):

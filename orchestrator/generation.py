@@ -27,7 +27,8 @@ from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle, SessionStore
 from specdec.sessions import CacheRef
 from specdec.spec_loop import LoopStats
-from specdec.wire import EncodedDistributions, drop_first_rows
+from specdec.wire import drop_first_rows
+from specdec.wire_pb import from_pb, to_pb
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
@@ -240,15 +241,8 @@ class Generator:
             return None
         metrics.OVERLAP.labels("hit").inc()
         stats.overlap_hits += 1
-        dists = None  # a greedy proposal has none
-        if spec.HasField("distributions"):
-            d = spec.distributions
-            enc = drop_first_rows(EncodedDistributions(d.vocab_size, d.sparse, d.dense_fp16, d.sparse_ids_int32,
-                                                       d.sparse_probs_fp16, tuple(d.row_lengths)), 1)
-            dists = replica_pb2.DraftDistributions(
-                vocab_size=enc.vocab_size, sparse=enc.sparse, dense_fp16=enc.dense_fp16,
-                sparse_ids_int32=enc.sparse_ids_int32, sparse_probs_fp16=enc.sparse_probs_fp16,
-                row_lengths=enc.row_lengths)
+        # a greedy proposal has no distributions
+        dists = to_pb(drop_first_rows(from_pb(spec.distributions), 1)) if spec.HasField("distributions") else None
         tokens = list(spec.draft_tokens[1:])
         return tokens, dists, len(tokens)
 

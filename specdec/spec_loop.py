@@ -76,11 +76,9 @@ def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma
                 t0 = time.perf_counter()
                 prop = _unwrap(draft.propose([ProposeJob(rounds.draft_ref(session_id, 1, committed, cur), g, params)])[0])
                 draft_tokens, q = prop.tokens, prop.q
-                if q is None:  # greedy: no distributions, the rule compares tokens
-                    pass
-                elif through_wire:  # exactly what the distributed pipeline sends
+                if q is not None and through_wire:  # exactly what the distributed pipeline sends
                     q = decode(encode(q), g)
-                else:
+                elif q is not None:  # (greedy has none: the rule compares tokens)
                     q = q.double() / q.double().sum(-1, keepdim=True)
                 stats.draft_ms += (time.perf_counter() - t0) * 1000
             t0 = time.perf_counter()

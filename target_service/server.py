@@ -10,7 +10,8 @@ from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
-from specdec.wire import EncodedDistributions, WireFormatError, decode
+from specdec.wire import WireFormatError, decode
+from specdec.wire_pb import from_pb
 from target_service.engine import TargetEngine, VerifyJob
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Target"].full_name
@@ -23,8 +24,7 @@ def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab:
         return None
     if pb.vocab_size != vocab:
         raise InvalidRequest(f"draft distributions are over {pb.vocab_size} tokens but the target has {vocab}")
-    enc = EncodedDistributions(pb.vocab_size, pb.sparse, pb.dense_fp16, pb.sparse_ids_int32,
-                               pb.sparse_probs_fp16, tuple(pb.row_lengths))
+    enc = from_pb(pb)
     try:
         return decode(enc, gamma)
     except WireFormatError as exc:

@@ -41,3 +41,14 @@ def test_one_hot_rows_and_dropping_rows():
     assert enc.sparse and enc.row_lengths == (1, 1, 1)
     tail = drop_first_rows(enc, 1)
     assert torch.equal(decode(tail, 2), q16[1:].double())
+
+
+def test_the_protobuf_message_carries_the_encoding_exactly():
+    from specdec.internal.v1 import replica_pb2
+    from specdec.wire_pb import from_pb, to_pb
+
+    for q16 in (_rows(3, 4096, keep=20), _rows(3, 512, keep=None)):
+        enc = encode(q16)
+        wire = replica_pb2.DraftDistributions.FromString(to_pb(enc).SerializeToString())
+        assert from_pb(wire) == enc
+        assert torch.equal(decode(from_pb(wire), 3), _normalised(q16))
