@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -62,9 +63,28 @@ def uniform(seed: int, position: int, stream: int) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` over a uint64 array (numpy's uint64 arithmetic wraps modulo 2^64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms_at(seeds: Sequence[int], positions: Sequence[int], stream: int) -> torch.Tensor:
+    """[n] float64 uniforms, the i-th exactly `uniform(seeds[i], positions[i], stream)`.
+
+    A batch's verification needs a few per session, for sessions with different seeds and
+    positions: one vectorised hash instead of a Python call each."""
+    seed = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
+    counter = np.asarray(positions, dtype=np.uint64) * np.uint64(4) + np.uint64(stream)
+    h = _splitmix64_array(seed ^ _splitmix64_array(counter))
+    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
+
+
 def uniforms(seed: int, start: int, count: int, stream: int) -> torch.Tensor:
     """[count] float64 uniforms for positions start .. start+count-1."""
-    return torch.tensor([uniform(seed, start + i, stream) for i in range(count)], dtype=torch.float64)
+    return uniforms_at([seed] * count, range(start, start + count), stream)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,7 +95,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:  # x / 1 is x: skip an operator over the whole vocabulary
+        logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -122,8 +143,7 @@ def draft_tokens_rows(q: torch.Tensor, params: Sequence[SamplingParams], positio
     any u in [0, 1), so one draw serves a mixed batch; an all-greedy batch is one argmax."""
     if all(p.greedy for p in params):
         return q.argmax(-1)
-    u = torch.tensor([uniform(p.seed, pos, STREAM_DRAFT) for p, pos in zip(params, positions)],
-                     dtype=torch.float64, device=q.device)
+    u = uniforms_at([p.seed for p in params], positions, STREAM_DRAFT).to(q.device)
     return sample_from(q, u)
 
 
@@ -158,6 +178,30 @@ class VerifyResult:
     next_token: torch.Tensor  # [B] int64, recovered or bonus token
 
 
+def accepted_lengths(p_x: torch.Tensor, q_x: torch.Tensor, u_accept: torch.Tensor,
+                     gammas: torch.Tensor) -> torch.Tensor:
+    """The acceptance half of `verify`: [B, γ] target and draft probabilities of the draft
+    tokens and their uniforms, [B] per-session γ_b (padding beyond it is ignored) →
+    [B] lengths of the accepted prefixes. x_i is accepted w.p. min(1, p(x_i) / q(x_i))."""
+    G = p_x.shape[1]
+    ok = u_accept.to(p_x.device, torch.float64) * q_x.double() < p_x.double()
+    ok &= torch.arange(G, device=p_x.device) < gammas.unsqueeze(1)
+    return ok.long().cumprod(-1).sum(-1)
+
+
+def next_tokens(p_n: torch.Tensor, q_n: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The recovery half of `verify`: at each session's stopping position, [B, V] target
+    probabilities p_n and the draft's q_n there (a zero row where every draft token was
+    accepted: the bonus has no q to subtract), [B] uniforms → [B] tokens drawn from
+    norm(max(0, p − q)), which is p itself for the bonus."""
+    residual = (p_n - q_n).clamp_(min=0.0)
+    # p == q up to rounding leaves no residual mass: then p itself is the right law.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    if bool(empty.any()):
+        residual = torch.where(empty, p_n, residual)
+    return sample_from(residual, u.to(p_n.device))
+
+
 def verify(
     draft_tokens: torch.Tensor,  # [B, γ] int64
     q: torch.Tensor,  # [B, γ, V] draft probabilities (exactly what the draft sampled from)
@@ -166,18 +210,17 @@ def verify(
     u_resample: torch.Tensor,  # [B, γ+1] uniforms, one per position the new token may take
     gammas: torch.Tensor | None = None,  # [B] per-session γ_b ≤ γ (padding beyond it)
 ) -> VerifyResult:
-    """Speculative acceptance, recovery and bonus for a batch of sessions at once."""
+    """Speculative acceptance, recovery and bonus for a batch of sessions at once, on
+    padded [B, γ(+1), V] tensors: the reference form. The target engine feeds the same two
+    halves (`accepted_lengths`, `next_tokens`) only the values they read, without padding."""
     B, G = draft_tokens.shape
     assert q.shape[:2] == (B, G) and p.shape[:2] == (B, G + 1), (q.shape, p.shape)
     if gammas is None:
         gammas = torch.full((B,), G, dtype=torch.long, device=p.device)
-    positions = torch.arange(G, device=p.device)
     if G > 0:
         p_x = p[:, :G].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
         q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-        ok = (u_accept.to(p_x.device, torch.float64) * q_x.double() < p_x.double())  # accept w.p. min(1, p/q)
-        ok &= positions < gammas.unsqueeze(1)
-        accepted = ok.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
+        accepted = accepted_lengths(p_x, q_x, u_accept, gammas)
     else:
         accepted = torch.zeros(B, dtype=torch.long, device=p.device)
     rows = torch.arange(B, device=p.device)
@@ -185,13 +228,9 @@ def verify(
     if G > 0:
         rejected = (accepted < gammas).unsqueeze(-1)
         q_n = q[rows, accepted.clamp(max=G - 1)] * rejected  # bonus: no q to subtract
-        residual = (p_n - q_n).clamp_(min=0.0)
-        # p == q up to rounding leaves no residual mass: then p itself is the right law.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_n, residual)
     else:
-        residual = p_n
-    next_token = sample_from(residual, u_resample.to(p.device)[rows, accepted])
+        q_n = torch.zeros_like(p_n)
+    next_token = next_tokens(p_n, q_n, u_resample.to(p.device)[rows, accepted])
     return VerifyResult(accepted=accepted, next_token=next_token)
 
 

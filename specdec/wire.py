@@ -48,10 +48,23 @@ def encode(q16: torch.Tensor) -> EncodedDistributions:
         return EncodedDistributions(
             vocab_size=vocab, sparse=True,
             sparse_ids_int32=ids.astype(np.int32).tobytes(),
-            sparse_probs_fp16=a[rows, ids].astype(np.float16).tobytes(),
+            sparse_probs_fp16=_to_fp16(a[rows, ids]),
             row_lengths=tuple(per_row.tolist()),
         )
-    return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=a.astype(np.float16).tobytes())
+    return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=_to_fp16(a))
+
+
+def _to_fp16(values: np.ndarray) -> bytes:
+    """float32 values that are fp16 already → their fp16 bytes, cast by torch (vectorised:
+    numpy casts fp16 one element at a time, 110 µs for a [4, 4096] block here against 3)."""
+    return torch.from_numpy(values).half().numpy().tobytes()
+
+
+def _fp16(data: bytes) -> torch.Tensor:
+    """fp16 bytes → a float64 tensor, converted by torch (vectorised; numpy's fp16 casts
+    cost 140 µs for a [4, 4096] block here, against 20 µs). The copy into a bytearray gives
+    torch the writable buffer it wants."""
+    return torch.frombuffer(bytearray(data), dtype=torch.float16).double()
 
 
 class WireFormatError(ValueError):
@@ -73,16 +86,18 @@ def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "
         ids = np.frombuffer(enc.sparse_ids_int32, dtype=np.int32)
         if total and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise WireFormatError(f"sparse draft distributions: token id outside 0..{V - 1}")
-        a = np.zeros((gamma, V), dtype=np.float64)
+        a = np.zeros((gamma, V), dtype=np.float64)  # few values: numpy's slow fp16 cast is cheap here
         a[np.repeat(np.arange(gamma), lengths), ids] = np.frombuffer(enc.sparse_probs_fp16, dtype=np.float16)
+        q = torch.from_numpy(a)
     else:
         if len(enc.dense_fp16) != 2 * gamma * V:
             raise WireFormatError(f"dense draft distributions need {2 * gamma * V} bytes, got {len(enc.dense_fp16)}")
-        a = np.frombuffer(enc.dense_fp16, dtype=np.float16).astype(np.float64).reshape(gamma, V)
-    if not np.isfinite(a).all() or (a < 0).any():
-        raise WireFormatError("draft distributions hold negative or non-finite values")
-    q = torch.from_numpy(a)
+        q = _fp16(enc.dense_fp16).view(gamma, V)
     sums = q.sum(-1, keepdim=True)
+    # fp16 values are finite (at most 65504) unless inf or NaN, so a row's float64 sum is
+    # finite exactly when all its values are: one check over γ sums, not over γ × V values
+    if gamma and (not bool(torch.isfinite(sums).all()) or float(q.amin()) < 0):
+        raise WireFormatError("draft distributions hold negative or non-finite values")
     if bool((sums <= 0).any()):
         raise WireFormatError("a draft distribution row has no mass")
     return (q / sums).to(device)

@@ -52,3 +52,31 @@ def test_the_protobuf_message_carries_the_encoding_exactly():
         wire = replica_pb2.DraftDistributions.FromString(to_pb(enc).SerializeToString())
         assert from_pb(wire) == enc
         assert torch.equal(decode(from_pb(wire), 3), _normalised(q16))
+
+
+def _dense(rows: list[list[float]]) -> "EncodedDistributions":
+    import numpy as np
+
+    from specdec.wire import EncodedDistributions
+
+    a = np.array(rows, dtype=np.float16)
+    return EncodedDistributions(vocab_size=a.shape[1], sparse=False, dense_fp16=a.tobytes())
+
+
+def test_malformed_distributions_are_refused_with_what_is_wrong():
+    """NaN, ±inf or a negative value anywhere, or a row without mass, in either form: the
+    target must refuse the call rather than verify against a law that is not one."""
+    import pytest
+
+    from specdec.wire import EncodedDistributions, WireFormatError
+
+    for bad in (float("nan"), float("inf"), -float("inf"), -0.25):
+        with pytest.raises(WireFormatError, match="negative or non-finite"):
+            decode(_dense([[0.5, 0.5, 0.0], [0.2, bad, 0.8]]), 2)
+        sparse = EncodedDistributions(3, True, b"", torch.tensor([0, 2], dtype=torch.int32).numpy().tobytes(),
+                                      torch.tensor([0.5, bad], dtype=torch.float16).numpy().tobytes(), (2,))
+        with pytest.raises(WireFormatError, match="negative or non-finite"):
+            decode(sparse, 1)
+    with pytest.raises(WireFormatError, match="no mass"):
+        decode(_dense([[0.5, 0.5, 0.0], [0.0, -0.0, 0.0]]), 2)
+    assert torch.equal(decode(_dense([[0.0, -0.0, 2.0]]), 1), torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64))
