@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                 draft=model_summary(draft_model, args.draft), target=model_summary(target_model, args.target))
     log(f"measuring step costs (batches {args.concurrency})")
     costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), args.concurrency,
-                          sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps)
+                          sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps,
+                          decision_gamma=args.gamma)
     log(f"c = {costs.ratio:.3f}: draft step {costs.draft_ms(1):.2f} ms, target step {costs.target_step_ms(1):.2f} ms")
     runs, sweep, wire = measure_all(args, draft_model, target_model, tok, requests_for)
     attach_bounds(runs, sweep, costs, wire, args.gamma)

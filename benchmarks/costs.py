@@ -6,6 +6,10 @@ warm-up and the median of `reps` repetitions, over a `context`-token KV cache pe
 - draft step t_d(B):      the draft, B sessions × 1 new token, logits for that token;
 - target step t_t(B):     the target, B sessions × 1 new token (= verify with γ = 0);
 - verify t_v(γ, B):       the target, B sessions × (γ + 1) new tokens, logits for all of them.
+- decision(B):            the target's verdicts for B sessions at the bench's γ from the packed
+                          logits (TargetEngine._decide), greedy and sampled at temperature 1;
+- wire:                   encoding and decoding one session's dense [γ, V] draft distributions
+                          (specdec.wire), as the draft and the target do at temperature 1.
 
 After each timed forward the caches are truncated back to `context`, so every repetition
 sees the same cache length. The cost ratio is c = t_d(1) / t_t(1).
@@ -44,6 +48,9 @@ class Costs:
     context: int
     draft_step_ms: dict[int, float] = field(default_factory=dict)  # batch → ms
     verify_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch → γ → ms
+    decision_gamma: int = 0
+    decision_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # batch → greedy/sampled → ms
+    wire_ms: dict[str, float] = field(default_factory=dict)  # encode/decode → ms of one session's block
 
     def _batch(self, batch: int) -> int:
         """The measured batch size nearest to `batch`."""
@@ -110,16 +117,56 @@ def _prefilled(runner: ModelRunner, batch: int, context: int, gen: torch.Generat
     return caches
 
 
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for i in range(reps + 2):
+        t0 = time.perf_counter()
+        fn()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def _decision_ms(target: ModelRunner, batch: int, gamma: int, reps: int, gen: torch.Generator) -> dict[str, float]:
+    """TargetEngine._decide on random logits and draft distributions of a batch."""
+    from specdec.sampling import SamplingParams
+    from specdec.sessions import CacheRef
+    from target_service.engine import TargetEngine, VerifyJob
+
+    engine, V = TargetEngine(target), target.vocab_size
+    logits = torch.randn(batch * (gamma + 1), V, generator=gen) * 2
+    out = {}
+    for name, params in (("greedy", SamplingParams(0.0)), ("sampled", SamplingParams(1.0, seed=1))):
+        jobs = []
+        for b in range(batch):
+            q = torch.softmax(torch.randn(gamma, V, generator=gen, dtype=torch.float64) * 2, -1)
+            tokens = torch.multinomial(q, 1, generator=gen).view(-1).tolist()
+            jobs.append(VerifyJob(CacheRef(f"s{b}", 1, 100, [5]), tokens, None if params.greedy else q, params))
+        out[name] = _median_ms(lambda: engine._decide(jobs, logits.to(target.device)), reps)
+    return out
+
+
+def _wire_ms(vocab: int, gamma: int, reps: int, gen: torch.Generator) -> dict[str, float]:
+    from specdec.wire import decode, encode, quantize
+
+    q16 = quantize(torch.softmax(torch.randn(gamma, vocab, generator=gen) * 2, -1))
+    enc = encode(q16)
+    return {"encode": _median_ms(lambda: encode(q16), reps), "decode": _median_ms(lambda: decode(enc, gamma), reps)}
+
+
 @torch.inference_mode()
 def measure_costs(draft: ModelRunner, target: ModelRunner, batches: list[int], gammas: list[int],
-                  context: int = 64, reps: int = 10, seed: int = 0) -> Costs:
-    """Draft step, target step and verify(γ) at each batch size; see the module docstring."""
+                  context: int = 64, reps: int = 10, seed: int = 0, decision_gamma: int = 4) -> Costs:
+    """Draft step, target step and verify(γ) at each batch size, the target's decisions at
+    `decision_gamma` and the wire's cost; see the module docstring."""
     gen = torch.Generator().manual_seed(seed)
-    costs = Costs(context)
+    costs = Costs(context, decision_gamma=decision_gamma)
     for b in sorted(set(batches)):
         caches = _prefilled(draft, b, context, gen)
         costs.draft_step_ms[b] = _time_forward(draft, caches, 1, context, reps, gen)
         caches = _prefilled(target, b, context, gen)
         costs.verify_ms[b] = {g: _time_forward(target, caches, g + 1, context, reps, gen)
                               for g in sorted(set(gammas) | {0})}
+        costs.decision_ms[b] = _decision_ms(target, b, decision_gamma, reps, gen)
+    costs.wire_ms = _wire_ms(target.vocab_size, decision_gamma, reps, gen)
     return costs

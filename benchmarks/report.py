@@ -64,6 +64,25 @@ def costs_table(costs: Costs) -> str:
     return "\n".join(lines)
 
 
+def decision_table(costs: Costs) -> str:
+    """The target's verdicts from the logits and the draft distributions' wire, per batch."""
+    if not costs.decision_ms:
+        return ""
+    g = costs.decision_gamma
+    lines = [f"| batch | greedy verdicts ms (γ = {g}) | sampled verdicts ms (t = 1) | sampled ÷ verify γ={g} |",
+             "|---|---|---|---|"]
+    for b in sorted(costs.decision_ms):
+        d = costs.decision_ms[b]
+        share = d["sampled"] / costs.verify_ms[b][g] if g in costs.verify_ms[b] else None
+        lines.append(f"| {b} | {d['greedy']:.3f} | {d['sampled']:.3f} | {fmt(share, '.1%')} |")
+    if costs.wire_ms:
+        lines.append("")
+        lines.append(f"One session's dense [{g}, V] draft distributions at t = 1: encode (draft) "
+                     f"{1000 * costs.wire_ms['encode']:.0f} µs, decode and checks (target) "
+                     f"{1000 * costs.wire_ms['decode']:.0f} µs.")
+    return "\n".join(lines)
+
+
 @dataclass
 class Check:
     target: str
@@ -208,6 +227,9 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"## Step costs (ModelRunner forwards over a {costs.context}-token cache; median ms)", "",
            costs_table(costs), "",
            f"Cost ratio c = {costs.ratio:.3f} (batch 1).", ""]
+    if costs.decision_ms:
+        out += ["## Verdicts and wire (TargetEngine._decide on random logits and draft distributions; median)", "",
+                decision_table(costs), ""]
     for mode in args.modes:
         for c in args.concurrency:
             out += [f"## {MODE_TITLES[mode]}, {c} stream{'s' * (c > 1)}", "", results_table(runs, mode, c), ""]

@@ -12,7 +12,7 @@ def test_bench_quick_writes_the_report_and_the_plot(bundled_paths, tmp_path):
     assert bench.main(["--quick", "--prompts", "2", "--max-new-tokens", "16", "--concurrency", "1,2",
                        "--gammas", "2,4", "--cost-reps", "2", "--out", str(out)]) == 0
     text = out.read_text()
-    for header in ("# Benchmark results", "## Targets", "## Step costs", "## greedy, 1 stream",
+    for header in ("# Benchmark results", "## Targets", "## Step costs", "## Verdicts and wire", "## greedy, 1 stream",
                    "## temperature 1, 2 streams", "## γ sweep of (d), one stream", "## Bytes on the wire per round",
                    "| system | tok/s |", "(e) distributed, adaptive γ", "(b) HF assisted generation"):
         assert header in text, header
