@@ -13,6 +13,15 @@ measures the floor under the first part on the machine at hand, side by side:
 each back to back and after an idle gap before every call, as a replica sees while the
 other pool works on the round (on a shared VM an idle vCPU is slow to wake). The verify
 overhead over echo is the replica's own request handling (decode, batcher, encode).
+
+A last row per gap is no call at all: the same one-token target step in this process
+(ModelRunner over a 64-token cache), after the same idle gap. The in-process loop (c)
+never idles between its forwards; a replica does, while the other pool works, and on
+this kind of machine a forward after an idle gap is slower by itself, which is part of
+the (d)/(c) gap that no transport removes. Measured on 2026-12-01 at 09:45 UTC with
+`--gaps-ms 0,3,10` (medians): the step 4.00 ms back to back, 5.32 ms after 3 ms idle,
+5.64 ms after 10 ms; the replica's reported compute for the same step 4.83, 7.01, 6.28 ms
+by unary calls.
 """
 from __future__ import annotations
 
@@ -97,7 +106,29 @@ async def time_verify(address: str, calls: int, gap_s: float, tag: str,
         return overhead, compute
 
 
-async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: list[float]) -> list[str]:
+def time_step(runner, calls: int, gap_s: float) -> list[float]:
+    """ms of one in-process target step (one token over a 64-token cache) after `gap_s` idle."""
+    import torch
+
+    from specdec.model_runner import ForwardItem
+
+    cache = runner.new_cache()
+    runner.forward([ForwardItem(cache, torch.arange(64) % runner.vocab_size, 1)])
+    token = torch.tensor([7])
+    out = []
+    for i in range(calls + 5):
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.perf_counter()
+        runner.forward([ForwardItem(cache, token, 1)])
+        if i >= 5:
+            out.append((time.perf_counter() - t0) * 1000)
+        cache.truncate(64)
+    return out
+
+
+async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: list[float],
+                  runner=None) -> list[str]:
     rows = ["| call | idle gap before each | median ms | p90 ms | replica compute, median ms |",
             "|---|---|---|---|---|"]
     for gap in gaps_ms:
@@ -108,6 +139,9 @@ async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: l
             med, p90 = summary(overhead)
             rows.append(f"| {name}, target only: wall − compute | {gap:g} ms | {med:.3f} | {p90:.3f} | "
                         f"{summary(compute)[0]:.3f} |")
+        if runner is not None:
+            med, p90 = summary(time_step(runner, calls, gap / 1000))
+            rows.append(f"| no call: target step in this process | {gap:g} ms | {med:.3f} | {p90:.3f} | {med:.3f} |")
     return rows
 
 
@@ -135,8 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--gaps-ms takes numbers separated by commas, got {args.gaps_ms!r}") from None
     if not gaps or min(gaps) < 0:
         raise SystemExit("--gaps-ms needs at least one gap of 0 ms or more")
-    from localstack.stack import LocalStack, free_port
+    import torch
 
+    from localstack.stack import LocalStack, free_port
+    from specdec.model_runner import ModelRunner
+    from specdec.models import load_model, pick_device, pick_dtype
+
+    torch.set_num_threads(1)  # as the replicas run
+    device = pick_device("auto")
+    runner = ModelRunner(load_model(args.target, device, pick_dtype("auto", device)))
     stack = LocalStack(target_model=args.target, threads=1)
     port = free_port()
     echo = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "--serve-echo", str(port)])
@@ -144,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.start_redis()
         target = stack.start_replica("target")
         wait_serving_echo(f"127.0.0.1:{port}", echo)
-        print("\n".join(asyncio.run(measure(f"127.0.0.1:{port}", target.address, args.calls, gaps))))
+        print("\n".join(asyncio.run(measure(f"127.0.0.1:{port}", target.address, args.calls, gaps, runner))))
     finally:
         echo.terminate()
         echo.wait(10)
