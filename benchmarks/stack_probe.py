@@ -5,12 +5,16 @@ local stack (Redis, one draft and one target replica with /metrics on, one orche
 and for each configuration (mode:streams) the runs of (f) target-only and (e) adaptive γ
 with overlap, side by side, each with the replicas' view scraped from Prometheus around
 the run: mean sessions per batch, the share of the wall time the engine computed (busy)
-and the share it held batches for company (held).
+and the share it held batches for company (held). Each run also gives the CPU time of each
+process per round (session-round under load: user + system time from /proc, Linux only),
+which is steadier than tokens/s on a shared machine whose speed drifts: the cost a change
+saves shows there even when the drift swamps the throughput.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 from benchmarks.remote import StackClient
@@ -42,6 +46,21 @@ def pool_view(before: dict[str, float], after: dict[str, float], wall: float) ->
             f"held {d.get('specdec_batch_hold_seconds_sum', 0.0) / wall:.2f}")
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (None off Linux or once it is gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_view(before: dict[str, float | None], after: dict[str, float | None], rounds: int) -> str:
+    parts = [f"{name} {1000 * (after[name] - before[name]) / rounds:.2f}" for name in before
+             if before[name] is not None and after[name] is not None]
+    return f"cpu ms/round: {', '.join(parts)}" if parts and rounds else "cpu: n/a"
+
+
 def parse_configs(text: str) -> list[tuple[str, int]]:
     configs = []
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -55,7 +74,7 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
 
 
 async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_stream: int, max_new: int,
-                warm_up: float) -> list[str]:
+                warm_up: float, pids: dict[str, int] | None = None) -> list[str]:
     client = StackClient(address)
     lines = []
     try:
@@ -63,12 +82,16 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
         for mode, streams in configs:
             for system, gamma in (("f", 0), ("e", None)):
                 before = {pool: scrape(port) for pool, port in ports.items()}
+                cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
                 t0 = time.perf_counter()
                 run = await client.run(system, make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams)),
                                        mode, streams, max_new, gamma)
                 wall = time.perf_counter() - t0
                 after = {pool: scrape(port) for pool, port in ports.items()}
+                cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
                 views = " | ".join(f"{pool}: {pool_view(before[pool], after[pool], wall)}" for pool in ports)
+                if pids:
+                    views += " | " + cpu_view(cpu_before, cpu_after, run.rounds)
                 lines.append(f"{mode} {streams} streams ({system}) {run.tps:.1f} tok/s | {views}")
                 print(lines[-1], flush=True)
     finally:
@@ -102,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     ports = {"target": free_port(), "draft": free_port()}
     try:
         stack.start_redis()
+        pids = {}
         for pool, port in ports.items():
-            stack.start_replica(pool, extra=["--metrics-port", str(port)])
-        stack.start_orchestrator()
+            pids[pool] = stack.start_replica(pool, extra=["--metrics-port", str(port)]).proc.pid
+        pids["orchestrator"] = stack.start_orchestrator().proc.pid
         stack.wait_registered(1, 1)
         asyncio.run(probe(stack.orchestrator_address, ports, prompt_ids, configs, args.per_stream,
-                          args.max_new_tokens, args.warm_up))
+                          args.max_new_tokens, args.warm_up, pids))
     finally:
         stack.stop()
     return 0

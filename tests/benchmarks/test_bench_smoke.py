@@ -61,6 +61,9 @@ def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     assert [ln.split()[3] for ln in lines] == ["(f)", "(e)"]
     assert all("target: batch" in ln for ln in lines)  # the target served every run
     assert "draft: batch" in lines[1]  # (e) drafted
+    for ln in lines:  # each process's CPU time per round, as measured from /proc
+        cpu = dict(part.rsplit(" ", 1) for part in ln.split("cpu ms/round: ")[1].split(", "))
+        assert set(cpu) == {"target", "draft", "orchestrator"} and float(cpu["target"]) > 0
 
 
 def test_stack_probe_refuses_a_bad_configuration():
