@@ -70,9 +70,10 @@ def test_vectorised_uniforms_equal_the_scalar_hash():
     seeds = [0, 1, -1, 2**64 - 1, 2**64 + 3, 2**63] + [rng.getrandbits(64) for _ in range(200)]
     positions = [rng.randrange(0, 1 << 20) for _ in seeds]
     for stream in (sampling.STREAM_DRAFT, sampling.STREAM_ACCEPT, sampling.STREAM_RESAMPLE):
-        got = sampling.uniforms_at(seeds, positions, stream)
-        assert got.dtype == torch.float64
-        assert got.tolist() == [sampling.uniform(s, p, stream) for s, p in zip(seeds, positions)]
+        for n in (len(seeds), sampling.VECTOR_FROM, sampling.VECTOR_FROM - 1, 1, 0):  # numpy and scalar paths
+            got = sampling.uniforms_at(seeds[:n], positions[:n], stream)
+            assert got.dtype == torch.float64 and len(got) == n
+            assert got.tolist() == [sampling.uniform(s, p, stream) for s, p in zip(seeds[:n], positions[:n])]
 
 
 def test_sample_from_never_picks_zero_mass():
