@@ -71,3 +71,23 @@ def test_stack_probe_refuses_a_bad_configuration():
 
     with pytest.raises(SystemExit, match="mode:streams"):
         stack_probe.main(["--configs", "greedy:x"])
+
+
+def test_attention_probe_prints_both_ways_for_each_case(capsys):
+    from benchmarks import attention_probe
+
+    assert attention_probe.main(["--batches", "1,3", "--lengths", "5-20", "--tokens", "2", "--reps", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 2  # header, then one row per batch size (the rule starts with "|-")
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[3:6]) and float(cells[2]) >= 1.0
+
+
+def test_attention_probe_refuses_bad_arguments():
+    from benchmarks import attention_probe
+
+    with pytest.raises(SystemExit, match="--lengths"):
+        attention_probe.main(["--lengths", "50-10"])
+    with pytest.raises(SystemExit, match="--batches"):
+        attention_probe.main(["--batches", "x"])
