@@ -12,6 +12,11 @@ matrix product, gate/up another, RMSNorm is the fused kernel, the rotary embeddi
 a table lookup and a roll, the causal mask a slice of a precomputed table. The numbers
 are the ones Hugging Face's own modules compute (same operations in the same order;
 tests/specdec/test_model_runner.py checks the logits), only with fewer dispatches.
+
+Attention stays one call per session: a single call over a batch's caches needs them in
+one tensor, padded to the longest and, for a batch of scattered sessions, gathered first,
+and at these shapes attention is bound by arithmetic, so padding and gathering cost about
+what the saved calls do (`python -m benchmarks.attention_probe`, README "Benchmarks").
 """
 from __future__ import annotations
 
