@@ -82,7 +82,7 @@ class DraftEngine:
             # the whole batch's step at once: one set of operators per sampling law, not per session
             params = [jobs[i].params for i in live]
             if all(p.greedy for p in params):
-                q16, tokens = None, logits.argmax(-1).cpu()
+                q16, tokens = None, sampling.argmax_rows(logits).cpu()
             else:
                 q16 = quantize(sampling.probs_rows(logits, params))  # [live, V]
                 tokens = sampling.draft_tokens_rows(q16, params, [caches[i].length for i in live]).cpu()

@@ -111,30 +111,9 @@ class TargetEngine:
                     out[b] = verdict
         return out  # type: ignore[return-value]
 
-    @staticmethod
-    def _padding(jobs: list[VerifyJob]) -> tuple[int, list[list[int]]]:
-        """→ (largest γ, per job the packed row of each of its γ_max + 1 padded slots); a
-        padded slot points one past the last row, where a zero row goes."""
-        G = max(len(j.draft_tokens) for j in jobs)
-        total = sum(len(j.draft_tokens) + 1 for j in jobs)
-        index, row = [], 0
-        for j in jobs:
-            n = len(j.draft_tokens) + 1
-            index.append(list(range(row, row + n)) + [total] * (G + 1 - n))
-            row += n
-        return G, index
-
     def _decide_greedy(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
-        """No distributions needed (sampling.verify_greedy): pad and compare argmaxes."""
-        device = logits.device
-        G, index = self._padding(jobs)
-        argmax = torch.cat([logits.argmax(-1), torch.zeros(1, dtype=torch.long, device=device)])
-        argmax = argmax[torch.tensor(index, device=device)]  # [B, G + 1]
-        draft = torch.tensor([j.draft_tokens + [-1] * (G - len(j.draft_tokens)) for j in jobs],
-                             dtype=torch.long, device=device).view(len(jobs), G)
-        gammas = torch.tensor([len(j.draft_tokens) for j in jobs], device=device)
-        res = sampling.verify_greedy(draft, argmax, gammas)
-        return list(zip(res.accepted.tolist(), res.next_token.tolist()))
+        """No distributions needed (sampling.verify_greedy): compare the draft with the argmaxes."""
+        return sampling.greedy_verdicts([j.draft_tokens for j in jobs], sampling.argmax_rows(logits).tolist())
 
     def _decide_sampled(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
         """The full rule for a batch, on the packed rows: the target's laws in one set of

@@ -187,6 +187,10 @@ def test_verify_greedy_equals_verify_with_a_one_hot_target():
         short = verify_greedy(draft, argmax, gammas)
         assert torch.equal(full.accepted, short.accepted)
         assert torch.equal(full.next_token, short.next_token)
+        # the packed plain-Python form the target engine uses: each session's γ_b + 1 rows
+        drafts = [draft[b, : gammas[b]].tolist() for b in range(B)]
+        packed = [t for b in range(B) for t in argmax[b, : gammas[b] + 1].tolist()]
+        assert sampling.greedy_verdicts(drafts, packed) == list(zip(short.accepted.tolist(), short.next_token.tolist()))
 
 
 def test_a_batch_of_draft_rows_equals_each_row_on_its_own():
@@ -208,3 +212,13 @@ def test_a_batch_of_draft_rows_equals_each_row_on_its_own():
             alone = quantize(logits_to_probs(logits[b], params))
             assert torch.equal(q[b], alone), (b, params)
             assert tokens[b] == sampling.draft_token(alone, params, positions[b]), (b, params)
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_and_strides():
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(16, 4096, generator=gen), torch.randn(4096, generator=gen),
+             torch.randn(3, 2, 50, generator=gen).double(), torch.randn(6, 300, generator=gen)[:, ::3],
+             torch.randint(0, 3, (64, 9), generator=gen).float()]  # many ties: the first maximum wins
+    for x in cases:
+        with torch.inference_mode():
+            assert torch.equal(sampling.argmax_rows(x), x.argmax(-1)), x.shape
