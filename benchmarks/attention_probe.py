@@ -55,7 +55,8 @@ class Case:
         self.q = torch.randn(heads, B * n, dim)
         self.kv = torch.randn(2 * kv_heads, B * n, dim)
         rows = torch.arange(n)
-        self.masks = [torch.arange(s + n)[None] <= (s + rows)[:, None] for s in lengths]
+        # as the runner: no mask for one new token (it sees its whole cache)
+        self.masks = [None if n == 1 else torch.arange(s + n)[None] <= (s + rows)[:, None] for s in lengths]
         sees = torch.tensor(lengths)[:, None] + rows[None]  # [B, n]
         self.mask = (torch.arange(self.end)[None, None] <= sees[:, :, None])[:, None]  # [B, 1, n, end]
         self.slot = torch.arange(B).repeat_interleave(n)

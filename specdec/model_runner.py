@@ -112,17 +112,17 @@ class ModelRunner:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_length = cfg.max_position_embeddings
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         attn = model.model.layers[0].self_attn
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.eps = model.model.norm.variance_epsilon
         # the embedding, the final norm and the LM head called as functions: the modules'
         # own calls cost a dispatch through nn.Module each (about 75 µs a step for HF's
-        # unfused RMSNorm here), for the same operations. The head is read at each call:
-        # column_major_linears below re-lays its weight out.
+        # unfused RMSNorm here), for the same operations. These are the modules' own
+        # Parameters, whose data column_major_linears (above) has already re-laid out.
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.head = model.get_output_embeddings()
+        self.vocab_size = self.head.weight.shape[0]
         self.act = F.silu if cfg.hidden_act == "silu" else model.model.layers[0].mlp.act_fn
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
                 and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
