@@ -3,7 +3,8 @@
 A quicker, narrower companion of `make bench` for tuning the replicas' batching: one
 local stack (Redis, one draft and one target replica with /metrics on, one orchestrator),
 and for each configuration (mode:streams) the runs of (f) target-only and (e) adaptive γ
-with overlap, side by side, each with the replicas' view scraped from Prometheus around
+with overlap (or those of --systems, (d) fixed γ = 4 among them), side by side, each with
+its mean γ and tokens per round and the replicas' view scraped from Prometheus around
 the run: mean sessions per batch, the share of the wall time the engine computed (busy)
 and the share it held batches for company (held). Each run also gives the CPU time of each
 process per round (session-round under load: user + system time from /proc, Linux only),
@@ -73,14 +74,18 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
     return configs
 
 
+SYSTEMS = {"d": 4, "e": None, "f": 0}  # the bench's distributed systems: their γ (None: adaptive)
+
+
 async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_stream: int, max_new: int,
-                warm_up: float, pids: dict[str, int] | None = None) -> list[str]:
+                warm_up: float, pids: dict[str, int] | None = None, systems: str = "fe") -> list[str]:
     client = StackClient(address)
     lines = []
     try:
         await client.warm_up(make_requests(prompt_ids, len(prompt_ids)), max_new, warm_up)
         for mode, streams in configs:
-            for system, gamma in (("f", 0), ("e", None)):
+            for system in systems:
+                gamma = SYSTEMS[system]
                 before = {pool: scrape(port) for pool, port in ports.items()}
                 cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
                 t0 = time.perf_counter()
@@ -92,7 +97,8 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
                 views = " | ".join(f"{pool}: {pool_view(before[pool], after[pool], wall)}" for pool in ports)
                 if pids:
                     views += " | " + cpu_view(cpu_before, cpu_after, run.rounds)
-                lines.append(f"{mode} {streams} streams ({system}) {run.tps:.1f} tok/s | {views}")
+                shape = f"γ {run.drafted / run.rounds:.2f} tok/round {run.tokens / run.rounds:.2f}" if run.rounds else ""
+                lines.append(f"{mode} {streams} streams ({system}) {run.tps:.1f} tok/s {shape} | {views}")
                 print(lines[-1], flush=True)
     finally:
         await client.close()
@@ -103,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.stack_probe", description=__doc__.split("\n\n")[1])
     ap.add_argument("--configs", default="greedy:16,t1:4,greedy:1",
                     help="mode:streams pairs, comma-separated (default greedy:16,t1:4,greedy:1)")
+    ap.add_argument("--systems", default="fe",
+                    help="which distributed systems to run per configuration, in order: d (fixed γ = 4), "
+                         "e (adaptive γ with overlap), f (target only); default fe")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
     ap.add_argument("--per-stream", type=int, default=3, help="requests per stream (default 3, as make bench)")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per request (default 96)")
@@ -115,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configs = parse_configs(args.configs)
+    if not args.systems or set(args.systems) - set(SYSTEMS):
+        raise SystemExit(f"--systems takes letters of {''.join(SYSTEMS)}, got {args.systems!r}")
     if min(args.prompts, args.per_stream, args.max_new_tokens) < 1:
         raise SystemExit("--prompts, --per-stream and --max-new-tokens must be at least 1")
     from training.corpus import heldout_prompts
@@ -131,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         pids["orchestrator"] = stack.start_orchestrator().proc.pid
         stack.wait_registered(1, 1)
         asyncio.run(probe(stack.orchestrator_address, ports, prompt_ids, configs, args.per_stream,
-                          args.max_new_tokens, args.warm_up, pids))
+                          args.max_new_tokens, args.warm_up, pids, args.systems))
     finally:
         stack.stop()
     return 0

@@ -56,9 +56,11 @@ def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     from benchmarks import stack_probe
 
     assert stack_probe.main(["--configs", "greedy:2", "--prompts", "2", "--per-stream", "1",
-                             "--max-new-tokens", "6", "--warm-up", "0"]) == 0
+                             "--max-new-tokens", "6", "--warm-up", "0", "--systems", "fed"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("greedy 2 streams")]
-    assert [ln.split()[3] for ln in lines] == ["(f)", "(e)"]
+    assert [ln.split()[3] for ln in lines] == ["(f)", "(e)", "(d)"]
+    assert "γ 0.00 tok/round 1.00" in lines[0]  # target only: one token a round
+    assert float(lines[2].split("γ ")[1].split()[0]) > 0  # (d) drafted
     assert all("target: batch" in ln for ln in lines)  # the target served every run
     assert "draft: batch" in lines[1]  # (e) drafted
     for ln in lines:  # each process's CPU time per round, as measured from /proc
@@ -71,6 +73,8 @@ def test_stack_probe_refuses_a_bad_configuration():
 
     with pytest.raises(SystemExit, match="mode:streams"):
         stack_probe.main(["--configs", "greedy:x"])
+    with pytest.raises(SystemExit, match="--systems"):
+        stack_probe.main(["--systems", "ex"])
 
 
 def test_attention_probe_prints_both_ways_for_each_case(capsys):
