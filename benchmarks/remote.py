@@ -99,6 +99,7 @@ class StackClient:
             res.drafted += s.drafted_tokens
             res.accepted += s.accepted_tokens
             res.target_passes += s.target_forward_passes
+            res.overlap_hits += s.overlap_hits
             for stage in STAGES:
                 res.stage_ms[stage] += getattr(s.times, f"{stage}_ms")
             if gamma:  # each chunk is one round: accepted = its tokens − 1 (EOS may cut the last)

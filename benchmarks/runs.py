@@ -74,6 +74,7 @@ class RunResult:
     accepted: int = 0
     tried: int | None = None  # tokens tried until the first rejection; None when unknown
     target_passes: int = 0
+    overlap_hits: int = 0  # rounds whose draft was pre-drafted during the previous verification
     stage_ms: dict[str, float] = field(default_factory=dict)  # summed over requests
     wire_bytes: float | None = None  # per round
     wire_note: str = ""  # "" measured, "≈" estimated

@@ -47,7 +47,8 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
 
     async def propose(self, request: replica_pb2.ProposeRequest) -> replica_pb2.ProposeResponse:
         """One proposal, for the unary call and for each message of a stream."""
-        job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling))
+        job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling),
+                         request.guess_bonus)
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result

@@ -148,12 +148,25 @@ class TargetEngine:
             accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
         stops = accepted.tolist()
         p_n = probs[torch.tensor([s + n for s, n in zip(starts, stops)], device=device)].double()  # [B, V]
-        zero = torch.zeros(V, dtype=torch.float64, device=device)
-        q_n = torch.stack([j.q[n].to(device) if n < g else zero for j, g, n in zip(jobs, gammas, stops)])
-        u_n = sampling.uniforms_at([j.params.seed for j in jobs], [f + n for f, n in zip(firsts, stops)],
-                                   sampling.STREAM_RESAMPLE)
-        next_token = sampling.next_tokens(p_n, q_n, u_n)
-        return list(zip(stops, next_token.tolist()))
+        # a bonus after a fully accepted draft is drawn by Gumbel-max (sampling.verify's
+        # bonus_gumbel), which the draft's guess of it shares; the others by inverse CDF
+        full = [b for b, (g, n) in enumerate(zip(gammas, stops)) if g > 0 and n >= g]
+        rest = [b for b in range(B) if b not in set(full)] if full else list(range(B))
+        next_token = [0] * B
+        if rest:
+            zero = torch.zeros(V, dtype=torch.float64, device=device)
+            q_n = torch.stack([jobs[b].q[stops[b]].to(device) if stops[b] < gammas[b] else zero for b in rest])
+            u_n = sampling.uniforms_at([jobs[b].params.seed for b in rest], [firsts[b] + stops[b] for b in rest],
+                                       sampling.STREAM_RESAMPLE)
+            rows = p_n if len(rest) == B else p_n[torch.tensor(rest, device=device)]
+            for b, token in zip(rest, sampling.next_tokens(rows, q_n, u_n).tolist()):
+                next_token[b] = token
+        if full:
+            noise = sampling.bonus_gumbels([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
+            rows = p_n if len(full) == B else p_n[torch.tensor(full, device=device)]
+            for b, token in zip(full, sampling.gumbel_argmax(rows, noise).tolist()):
+                next_token[b] = token
+        return list(zip(stops, next_token))
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)

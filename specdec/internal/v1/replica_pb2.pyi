@@ -49,14 +49,16 @@ class CacheRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("cache", "num_tokens", "sampling")
+    __slots__ = ("cache", "num_tokens", "sampling", "guess_bonus")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GUESS_BONUS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     num_tokens: int
     sampling: SamplingParams
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    guess_bonus: bool
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., guess_bonus: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "distributions", "cache_length", "compute_ms", "batch_size")
