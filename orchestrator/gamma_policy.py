@@ -220,7 +220,7 @@ class SessionPolicy:
         """The chance that a pre-draft of the next round gets used: all γ accepted (α^γ) and
         the bonus token guessed right. Greedy guesses right about as often as it accepts
         (both are the two argmaxes agreeing). At temperature 1 the guess and the target's
-        bonus are draws from q and p under the same Gumbel noise (sampling.bonus_guess_rows),
+        bonus are draws from q and p under the same noise (sampling.bonus_guess_rows),
         which agree 0.67 of the time on the bundled pair, against 0.20 for independent
         draws (Σ p·q); the rate still varies with the text, so it is learnt per session
         from the fully accepted rounds, not assumed. A function of the session's own

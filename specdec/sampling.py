@@ -91,10 +91,10 @@ def uniforms_at(seeds: Sequence[int], positions: Sequence[int], stream: int) -> 
 _TOKEN_KEYS: dict[int, np.ndarray] = {}
 
 
-def bonus_gumbels(seeds: Sequence[int], positions: Sequence[int], vocab: int) -> torch.Tensor:
-    """[n, vocab] float64 standard Gumbel noise, one per (seed, position, token), from the
-    bonus stream: what a bonus token after a fully accepted draft is drawn with
-    (`gumbel_argmax`), and what the draft's guess of that bonus is drawn with
+def bonus_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int) -> torch.Tensor:
+    """[n, vocab] float64 standard exponential noise, one per (seed, position, token), from
+    the bonus stream: what a bonus token after a fully accepted draft is drawn with
+    (`race_argmax`), and what the draft's guess of that bonus is drawn with
     (`bonus_guess_rows`). Counter-based like `uniform`, so any replica draws the same."""
     keys = _TOKEN_KEYS.get(vocab)
     if keys is None:
@@ -103,20 +103,22 @@ def bonus_gumbels(seeds: Sequence[int], positions: Sequence[int], vocab: int) ->
                      for s, p in zip(seeds, positions)], dtype=np.uint64)
     h = _splitmix64_array(rows[:, None] ^ keys[None, :])
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))  # in (0, 1)
-    return torch.from_numpy(-np.log(-np.log(u)))
+    return torch.from_numpy(-np.log(u))
 
 
-def gumbel_argmax(probs: torch.Tensor, gumbels: torch.Tensor) -> torch.Tensor:
-    """[B, V] probabilities (need not sum to 1) and [B, V] Gumbel noise → [B] tokens:
-    argmax of log p + g, an exact draw from norm(p) (the Gumbel-max trick); zero-mass
-    tokens have log p = −inf and are never drawn."""
-    return argmax_rows(torch.log(probs.double()) + gumbels.to(probs.device))
+def race_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[B, V] probabilities (need not sum to 1) and [B, V] exponential noise E → [B] tokens:
+    argmax of p / E, an exact draw from norm(p) (the exponential race: the first of
+    independent clocks with rates p(x) to ring; with G = −log E it is the Gumbel-max trick,
+    argmax log p + G, for one logarithm instead of three). Zero-mass tokens score 0 and are
+    never drawn."""
+    return argmax_rows(probs.double() / noise.to(probs.device))
 
 
 def bonus_guess_rows(q: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
     """[B] guesses of the target's bonus tokens at positions[b], row b drawn from the
-    draft's q[b] ([B, V]) by `gumbel_argmax` with the Gumbel noise the target's bonus at
-    that position is drawn with. Two close laws under the same noise pick the same token
+    draft's q[b] ([B, V]) by `race_argmax` with the noise the target's bonus at that
+    position is drawn with. Two close laws under the same noise pick the same token
     far more often than two independent draws: measured on the bundled pair at
     temperature 1 (teacher-forced on target samples of 8 held-out prompts), 0.67 against
     Σ p·q = 0.20 (1 − TV, the most any coupling reaches, is 0.72; inverse-CDF sampling
@@ -126,7 +128,7 @@ def bonus_guess_rows(q: torch.Tensor, params: Sequence[SamplingParams], position
     Greedy rows are one-hot, whose argmax any noise keeps."""
     if all(p.greedy for p in params):
         return argmax_rows(q)
-    return gumbel_argmax(q, bonus_gumbels([p.seed for p in params], positions, q.shape[-1]))
+    return race_argmax(q, bonus_noise([p.seed for p in params], positions, q.shape[-1]))
 
 
 def uniforms(seed: int, start: int, count: int, stream: int) -> torch.Tensor:
@@ -266,13 +268,13 @@ def verify(
     u_accept: torch.Tensor,  # [B, γ] uniforms
     u_resample: torch.Tensor,  # [B, γ+1] uniforms, one per position the new token may take
     gammas: torch.Tensor | None = None,  # [B] per-session γ_b ≤ γ (padding beyond it)
-    bonus_gumbel: torch.Tensor | None = None,  # [B, V] noise for the bonus (`bonus_gumbels`)
+    bonus_noise: torch.Tensor | None = None,  # [B, V] exponential noise for the bonus (`bonus_noise`)
 ) -> VerifyResult:
     """Speculative acceptance, recovery and bonus for a batch of sessions at once, on
     padded [B, γ(+1), V] tensors: the reference form. The target engine feeds the same
-    halves (`accepted_lengths`, `next_tokens`, `gumbel_argmax`) only the values they read,
-    without padding. With `bonus_gumbel`, a session that accepted all of its γ_b ≥ 1 draft
-    tokens draws its bonus from p by `gumbel_argmax` instead of inverse-CDF (the same law;
+    halves (`accepted_lengths`, `next_tokens`, `race_argmax`) only the values they read,
+    without padding. With `bonus_noise`, a session that accepted all of its γ_b ≥ 1 draft
+    tokens draws its bonus from p by `race_argmax` instead of inverse-CDF (the same law;
     it lets the draft guess it: `bonus_guess_rows`)."""
     B, G = draft_tokens.shape
     assert q.shape[:2] == (B, G) and p.shape[:2] == (B, G + 1), (q.shape, p.shape)
@@ -292,10 +294,10 @@ def verify(
     else:
         q_n = torch.zeros_like(p_n)
     next_token = next_tokens(p_n, q_n, u_resample.to(p.device)[rows, accepted])
-    if bonus_gumbel is not None and G > 0:
+    if bonus_noise is not None and G > 0:
         full = (accepted >= gammas) & (gammas > 0)
         if bool(full.any()):
-            next_token = torch.where(full, gumbel_argmax(p_n, bonus_gumbel).to(p.device), next_token)
+            next_token = torch.where(full, race_argmax(p_n, bonus_noise).to(p.device), next_token)
     return VerifyResult(accepted=accepted, next_token=next_token)
 
 

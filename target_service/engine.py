@@ -148,8 +148,8 @@ class TargetEngine:
             accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
         stops = accepted.tolist()
         p_n = probs[torch.tensor([s + n for s, n in zip(starts, stops)], device=device)].double()  # [B, V]
-        # a bonus after a fully accepted draft is drawn by Gumbel-max (sampling.verify's
-        # bonus_gumbel), which the draft's guess of it shares; the others by inverse CDF
+        # a bonus after a fully accepted draft is drawn by the exponential race (sampling.verify's
+        # bonus_noise), which the draft's guess of it shares; the others by inverse CDF
         full = [b for b, (g, n) in enumerate(zip(gammas, stops)) if g > 0 and n >= g]
         rest = [b for b in range(B) if b not in set(full)] if full else list(range(B))
         next_token = [0] * B
@@ -162,9 +162,9 @@ class TargetEngine:
             for b, token in zip(rest, sampling.next_tokens(rows, q_n, u_n).tolist()):
                 next_token[b] = token
         if full:
-            noise = sampling.bonus_gumbels([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
+            noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
             rows = p_n if len(full) == B else p_n[torch.tensor(full, device=device)]
-            for b, token in zip(full, sampling.gumbel_argmax(rows, noise).tolist()):
+            for b, token in zip(full, sampling.race_argmax(rows, noise).tolist()):
                 next_token[b] = token
         return list(zip(stops, next_token))
 

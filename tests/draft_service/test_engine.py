@@ -31,7 +31,7 @@ def test_greedy_proposals_are_the_argmax_and_carry_no_distributions(draft_model,
 
 
 def test_a_pre_draft_guesses_the_bonus_with_the_targets_uniform(draft_model, tokenizer):
-    """guess_bonus: the first token is drawn from its q with the bonus stream's Gumbel noise
+    """guess_bonus: the first token is drawn from its q with the bonus stream's noise
     at its position (what the target's bonus is drawn with), and the tokens after it are
     exactly what a plain proposal drafts on the prefix that ends in the guess."""
     from specdec import sampling
@@ -40,8 +40,8 @@ def test_a_pre_draft_guesses_the_bonus_with_the_targets_uniform(draft_model, tok
     ids = tokenizer("def walk(root):\n    for name in ")["input_ids"]
     params = SamplingParams(1.0, seed=21)
     pre = engine.propose([ProposeJob(CacheRef("pre", 1, 0, ids), GAMMA, params, guess_bonus=True)])[0]
-    noise = sampling.bonus_gumbels([21], [len(ids)], engine.runner.vocab_size)
-    assert pre.tokens[0] == int(sampling.gumbel_argmax(pre.q[:1], noise)[0])
+    noise = sampling.bonus_noise([21], [len(ids)], engine.runner.vocab_size)
+    assert pre.tokens[0] == int(sampling.race_argmax(pre.q[:1], noise)[0])
     # the same prefix the same way: the prompt's prefill, then the guess as one step
     engine.propose([ProposeJob(CacheRef("plain", 1, 0, ids), 1, params)])
     plain = engine.propose([ProposeJob(CacheRef("plain", 1, len(ids), pre.tokens[:1]), GAMMA - 1, params)])[0]

@@ -83,10 +83,10 @@ def test_sample_from_never_picks_zero_mass():
     assert set(picks.tolist()) == {1, 3}
 
 
-def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, gumbel_bonus=False):
+def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, race_bonus=False):
     """Run speculative rounds for `trials` independent sequences whose target and draft
     laws depend only on the position: p_table/q_table [P, V]. Returns [trials, needed].
-    gumbel_bonus: bonuses after fully accepted drafts by Gumbel-max, as the engine draws them."""
+    race_bonus: bonuses after fully accepted drafts by the exponential race, as the engine draws them."""
     out = torch.full((trials, positions_needed), -1, dtype=torch.long)
     length = torch.zeros(trials, dtype=torch.long)
     P = p_table.shape[0]
@@ -96,10 +96,10 @@ def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, gumbel_bo
         q = q_table[idx[:, :gamma]]
         draft = sample_from(q, torch.rand(trials, gamma, generator=gen, dtype=torch.float64))
         noise = None
-        if gumbel_bonus:
-            noise = -torch.log(-torch.log(torch.rand(trials, p.shape[-1], generator=gen, dtype=torch.float64)))
+        if race_bonus:
+            noise = -torch.log(torch.rand(trials, p.shape[-1], generator=gen, dtype=torch.float64))
         res = verify(draft, q, p, torch.rand(trials, gamma, generator=gen, dtype=torch.float64),
-                     torch.rand(trials, gamma + 1, generator=gen, dtype=torch.float64), bonus_gumbel=noise)
+                     torch.rand(trials, gamma + 1, generator=gen, dtype=torch.float64), bonus_noise=noise)
         for j in range(gamma + 1):
             tok = torch.where(j < res.accepted, draft[:, min(j, gamma - 1)], res.next_token)
             valid = (j <= res.accepted) & (length + j < positions_needed)
@@ -120,12 +120,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("bonus", ["inverse-cdf", "gumbel"])
+@pytest.mark.parametrize("bonus", ["inverse-cdf", "race"])
 @pytest.mark.parametrize("gamma", [1, 4, 8])
 @pytest.mark.parametrize("temperature,top_k,top_p,relation", CASES)
 def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, relation, bonus):
     gen = torch.Generator().manual_seed(1000 * gamma + CASES.index((temperature, top_k, top_p, relation))
-                                        + 7 * (bonus == "gumbel"))
+                                        + 7 * (bonus == "race"))
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     positions = 3
     p_logits = torch.randn(positions, V, generator=gen) * 1.5
@@ -137,7 +137,7 @@ def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, re
     if relation == "target_mass_where_draft_none":
         q = logits_to_probs(q_logits, SamplingParams(temperature=temperature, top_k=3)).double()
     trials = 40000
-    out = simulate(p, q, gamma, trials, gen, positions_needed=positions, gumbel_bonus=bonus == "gumbel")
+    out = simulate(p, q, gamma, trials, gen, positions_needed=positions, race_bonus=bonus == "race")
     for pos in range(positions):
         observed = torch.bincount(out[:, pos], minlength=V).double()
         support = p[pos] > 0
@@ -231,7 +231,7 @@ def test_argmax_rows_is_torch_argmax_with_ties_and_strides():
 
 
 def test_a_bonus_guess_under_the_targets_noise_agrees_far_more_often_than_an_independent_draw():
-    """The draft's guess and the target's bonus share the bonus stream's Gumbel noise:
+    """The draft's guess and the target's bonus share the bonus stream's noise:
     for close laws they agree far more often than Σ p·q, and the guess is a draw from q."""
     gen = torch.Generator().manual_seed(3)
     V, trials = 64, 4000
@@ -240,22 +240,22 @@ def test_a_bonus_guess_under_the_targets_noise_agrees_far_more_often_than_an_ind
     params = [SamplingParams(1.0, seed=s) for s in range(trials)]
     positions = [17] * trials
     guesses = sampling.bonus_guess_rows(q.expand(trials, V), params, positions)
-    bonus = sampling.gumbel_argmax(p.expand(trials, V), sampling.bonus_gumbels(range(trials), positions, V))
+    bonus = sampling.race_argmax(p.expand(trials, V), sampling.bonus_noise(range(trials), positions, V))
     agree = (guesses == bonus).double().mean().item()
     tv = 0.5 * (p - q).abs().sum().item()
     assert agree > float((p * q).sum()) + 0.3
-    assert agree > (1 - tv) / (1 + tv) - 0.05  # the Gumbel coupling's known lower bound
+    assert agree > (1 - tv) / (1 + tv) - 0.05  # the Gumbel (race) coupling's known lower bound
     for draws, law in ((guesses, q), (bonus, p)):  # each side is still a draw from its own law
         freq = torch.bincount(draws, minlength=V).double() / trials
         assert 0.5 * (freq - law).abs().sum().item() < 0.08
 
 
-def test_gumbel_bonus_noise_is_standard_gumbel_and_never_picks_zero_mass():
-    g = sampling.bonus_gumbels([1, 2, 3], [10, 10, 11], 5000)
-    assert g.shape == (3, 5000) and torch.isfinite(g).all()
-    assert abs(g.mean().item() - 0.5772) < 0.05 and abs(g.var().item() - 1.6449) < 0.15
+def test_bonus_noise_is_standard_exponential_and_never_picks_zero_mass():
+    g = sampling.bonus_noise([1, 2, 3], [10, 10, 11], 5000)
+    assert g.shape == (3, 5000) and torch.isfinite(g).all() and bool((g > 0).all())
+    assert abs(g.mean().item() - 1.0) < 0.05 and abs(g.var().item() - 1.0) < 0.1
     assert not torch.equal(g[0], g[1]) and not torch.equal(g[1], g[2])
-    assert torch.equal(g, sampling.bonus_gumbels([1, 2, 3], [10, 10, 11], 5000))  # counter-based
+    assert torch.equal(g, sampling.bonus_noise([1, 2, 3], [10, 10, 11], 5000))  # counter-based
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.7]] * 3)
-    picks = sampling.gumbel_argmax(probs.expand(3, 4), sampling.bonus_gumbels([1, 2, 3], [0, 0, 0], 4))
+    picks = sampling.race_argmax(probs.expand(3, 4), sampling.bonus_noise([1, 2, 3], [0, 0, 0], 4))
     assert set(picks.tolist()) <= {1, 3}

@@ -20,7 +20,7 @@ def _alone(job: VerifyJob, rows: torch.Tensor) -> tuple[int, int]:
     res = sampling.verify(torch.tensor([job.draft_tokens], dtype=torch.long).view(1, g), q, p,
                           sampling.uniforms(job.params.seed, first, g, sampling.STREAM_ACCEPT)[None],
                           sampling.uniforms(job.params.seed, first, g + 1, sampling.STREAM_RESAMPLE)[None],
-                          bonus_gumbel=sampling.bonus_gumbels([job.params.seed], [first + g], rows.shape[-1]))
+                          bonus_noise=sampling.bonus_noise([job.params.seed], [first + g], rows.shape[-1]))
     return int(res.accepted[0]), int(res.next_token[0])
 
 
