@@ -86,13 +86,9 @@ class DraftEngine:
                 q16, tokens = None, sampling.argmax_rows(logits).cpu()
             else:
                 q16 = quantize(sampling.probs_rows(logits, params))  # [live, V]
-                positions = [caches[i].length for i in live]
-                tokens = sampling.draft_tokens_rows(q16, params, positions).cpu()
-                guesses = [row for row, i in enumerate(live) if step == 0 and jobs[i].guess_bonus]  # pre-drafts
-                if guesses:
-                    index = torch.tensor(guesses)
-                    tokens[index] = sampling.bonus_guess_rows(
-                        q16[index], [params[r] for r in guesses], [positions[r] for r in guesses]).cpu()
+                # a pre-draft's first token guesses the target's bonus (sampling.bonus_guess_rows)
+                guesses = [row for row, i in enumerate(live) if jobs[i].guess_bonus] if step == 0 else []
+                tokens = sampling.draft_tokens_rows(q16, params, [caches[i].length for i in live], guesses).cpu()
             still = []
             for row, (i, token) in enumerate(zip(live, tokens.tolist())):
                 drafted[i][0].append(token)

@@ -208,8 +208,8 @@ class Generator:
     # ----------------------------------------------------------------- overlapped drafting
     async def _predraft(self, links, handle, start, last_draft, gamma, params_pb, deadline, stats):
         """While the target verifies round k, draft round k+1 as if round k were accepted in
-        full: feed the last draft token, guess the bonus token (with the target's own
-        uniform for it: sampling.bonus_guess_rows), and draft γ more after it.
+        full: feed the last draft token, guess the bonus token (under the target's own
+        noise for it: sampling.bonus_guess_rows), and draft γ more after it.
         One attempt; any failure just means no pre-draft."""
         request = replica_pb2.ProposeRequest(
             cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, [last_draft])),

@@ -195,15 +195,27 @@ def probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     return out
 
 
-def draft_tokens_rows(q: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
+def draft_tokens_rows(q: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                      guesses: Sequence[int] = ()) -> torch.Tensor:
     """[B] draft tokens, row b drawn from q[b] ([B, V]) with its session's draft-stream
     uniform at positions[b]: each equals `draft_token(q[b], params[b], positions[b])`.
+    The rows listed in `guesses` are guesses of the target's bonus instead
+    (`bonus_guess_rows`); each row is drawn once, by one rule or the other.
     Greedy rows are one-hot, and inverse-CDF sampling of a one-hot returns its token for
     any u in [0, 1), so one draw serves a mixed batch; an all-greedy batch is one argmax."""
     if all(p.greedy for p in params):
         return argmax_rows(q)
-    u = uniforms_at([p.seed for p in params], positions, STREAM_DRAFT).to(q.device)
-    return sample_from(q, u)
+    if not guesses:
+        u = uniforms_at([p.seed for p in params], positions, STREAM_DRAFT).to(q.device)
+        return sample_from(q, u)
+    out = torch.empty(len(params), dtype=torch.long)
+    taken = set(guesses)
+    plain = [r for r in range(len(params)) if r not in taken]
+    for rows, draw in ((list(guesses), bonus_guess_rows), (plain, draft_tokens_rows)):
+        if rows:
+            index = torch.tensor(rows, device=q.device)
+            out[rows] = draw(q[index], [params[r] for r in rows], [positions[r] for r in rows]).cpu()
+    return out
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -150,22 +150,25 @@ class TargetEngine:
         p_n = probs[torch.tensor([s + n for s, n in zip(starts, stops)], device=device)].double()  # [B, V]
         # a bonus after a fully accepted draft is drawn by the exponential race (sampling.verify's
         # bonus_noise), which the draft's guess of it shares; the others by inverse CDF
-        full = [b for b, (g, n) in enumerate(zip(gammas, stops)) if g > 0 and n >= g]
-        rest = [b for b in range(B) if b not in set(full)] if full else list(range(B))
+        full, rest = [], []
+        for b, (g, n) in enumerate(zip(gammas, stops)):
+            (full if g > 0 and n >= g else rest).append(b)
         next_token = [0] * B
+
+        def draw(group: list[int], tokens_of) -> None:
+            rows = p_n if len(group) == B else p_n[torch.tensor(group, device=device)]
+            for b, token in zip(group, tokens_of(rows).tolist()):
+                next_token[b] = token
+
         if rest:
             zero = torch.zeros(V, dtype=torch.float64, device=device)
             q_n = torch.stack([jobs[b].q[stops[b]].to(device) if stops[b] < gammas[b] else zero for b in rest])
             u_n = sampling.uniforms_at([jobs[b].params.seed for b in rest], [firsts[b] + stops[b] for b in rest],
                                        sampling.STREAM_RESAMPLE)
-            rows = p_n if len(rest) == B else p_n[torch.tensor(rest, device=device)]
-            for b, token in zip(rest, sampling.next_tokens(rows, q_n, u_n).tolist()):
-                next_token[b] = token
+            draw(rest, lambda rows: sampling.next_tokens(rows, q_n, u_n))
         if full:
             noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
-            rows = p_n if len(full) == B else p_n[torch.tensor(full, device=device)]
-            for b, token in zip(full, sampling.race_argmax(rows, noise).tolist()):
-                next_token[b] = token
+            draw(full, lambda rows: sampling.race_argmax(rows, noise))
         return list(zip(stops, next_token))
 
     def release(self, session_id: str) -> bool:

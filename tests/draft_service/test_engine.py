@@ -30,7 +30,7 @@ def test_greedy_proposals_are_the_argmax_and_carry_no_distributions(draft_model,
     assert all(q[i, t] > 0 for i, t in enumerate(mixed[1].tokens))
 
 
-def test_a_pre_draft_guesses_the_bonus_with_the_targets_uniform(draft_model, tokenizer):
+def test_a_pre_draft_guesses_the_bonus_under_the_targets_noise(draft_model, tokenizer):
     """guess_bonus: the first token is drawn from its q with the bonus stream's noise
     at its position (what the target's bonus is drawn with), and the tokens after it are
     exactly what a plain proposal drafts on the prefix that ends in the guess."""

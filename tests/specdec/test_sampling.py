@@ -259,3 +259,17 @@ def test_bonus_noise_is_standard_exponential_and_never_picks_zero_mass():
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.7]] * 3)
     picks = sampling.race_argmax(probs.expand(3, 4), sampling.bonus_noise([1, 2, 3], [0, 0, 0], 4))
     assert set(picks.tolist()) <= {1, 3}
+
+
+def test_draft_rows_with_guesses_draw_each_row_by_its_own_rule():
+    gen = torch.Generator().manual_seed(11)
+    V = 50
+    q = torch.softmax(torch.randn(5, V, generator=gen) * 2, -1)
+    q[4] = logits_to_probs(q[4], SamplingParams(0.0))  # a greedy row is one-hot, as probs_rows makes it
+    params = [SamplingParams(1.0, seed=s) for s in range(4)] + [SamplingParams(0.0)]
+    positions = [7, 8, 9, 10, 11]
+    mixed = sampling.draft_tokens_rows(q, params, positions, guesses=[1, 4])
+    plain = sampling.draft_tokens_rows(q, params, positions)
+    guessed = sampling.bonus_guess_rows(q, params, positions)
+    assert mixed.tolist() == [plain[0], guessed[1], plain[2], plain[3], guessed[4]]
+    assert guessed[4] == plain[4] == q[4].argmax()  # a greedy row is its argmax either way
