@@ -15,7 +15,11 @@ streams; then a γ sweep of (d) at one stream. At concurrency c a run has
 max(prompts, per_stream·c) requests cycling over the prompts (--per-stream, default 3: with
 one request per stream, a 16-stream run is mostly its ramp — every stream prefilling at
 once, then a tail with fewer streams left — rather than 16 streams kept busy). Request i
-carries seed 1000 + i in every system but (e), so (c) and (d) must agree token for token;
+of pass k carries seed 1000 + 100000·k + i in every system but (e), so (c) and (d) must
+agree token for token; each pass draws its own sample paths, because at temperature 1 the
+speed of (c) and (d) depends on the texts their seeds sample (measured: with the same 8
+seeds in every run, (d) at one stream beat (e) by about 10 % in every run, and with 24
+requests (e), (d) seeded and (d) unseeded were within 1.5 % of each other);
 (e) sends no seed (benchmarks/remote.py), so that at temperature 1 too it runs the
 load-adaptive policy that unseeded requests get.
 
@@ -120,6 +124,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--per-stream must be at least 1, got {args.per_stream}")
     args.plot = args.plot or args.out.with_name("speedup.png")
     return args
+
+
+def pass_seed_base(rep: int) -> int:
+    """The first seed of pass `rep`: passes sample different texts (see the module docstring)."""
+    return 1000 + 100_000 * rep
 
 
 def request_count(args: argparse.Namespace, concurrency: int) -> int:
@@ -229,9 +238,10 @@ def measure_all(args, draft_model, target_model, tok, requests_for):
     try:
         for rep in range(args.repeats):
             log(f"pass {rep + 1} of {args.repeats}")
-            in_process = lambda: in_process_phase(args, draft_model, target_model, tok, requests_for,  # noqa: E731
+            pass_requests = lambda c, rep=rep: requests_for(c, rep)  # noqa: E731
+            in_process = lambda: in_process_phase(args, draft_model, target_model, tok, pass_requests,  # noqa: E731
                                                   with_wire=not wire)
-            distributed = lambda: asyncio.run(stack_phase(args, stack.orchestrator_address, requests_for))  # noqa: E731
+            distributed = lambda: asyncio.run(stack_phase(args, stack.orchestrator_address, pass_requests))  # noqa: E731
             if rep % 2 == 0:
                 (local, w), (remote, sweep) = in_process(), distributed()
             else:
@@ -281,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
 
-    def requests_for(c: int):
-        return make_requests(prompt_ids, request_count(args, c))
+    def requests_for(c: int, rep: int = 0):
+        return make_requests(prompt_ids, request_count(args, c), seed_base=pass_seed_base(rep))
 
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -93,3 +93,15 @@ def test_a_run_keeps_every_stream_busy_for_per_stream_requests():
     assert request_count(parse_args(["--quick"]), 2) == 2
     with pytest.raises(SystemExit, match="per-stream"):
         parse_args(["--per-stream", "0"])
+
+
+def test_each_pass_samples_its_own_texts_with_seeds_shared_by_its_systems():
+    from benchmarks.bench import pass_seed_base
+    from benchmarks.runs import make_requests
+
+    prompts = [[1, 2], [3]]
+    first, again = make_requests(prompts, 48, pass_seed_base(0)), make_requests(prompts, 48, pass_seed_base(0))
+    second = make_requests(prompts, 48, pass_seed_base(1))
+    assert [r.seed for r in first] == [r.seed for r in again]  # (c) and (d) of one pass: the same seeds
+    assert not {r.seed for r in first} & {r.seed for r in second}  # another pass: other texts
+    assert [r.prompt_ids for r in first] == [r.prompt_ids for r in second]
