@@ -105,3 +105,16 @@ def test_each_pass_samples_its_own_texts_with_seeds_shared_by_its_systems():
     assert [r.seed for r in first] == [r.seed for r in again]  # (c) and (d) of one pass: the same seeds
     assert not {r.seed for r in first} & {r.seed for r in second}  # another pass: other texts
     assert [r.prompt_ids for r in first] == [r.prompt_ids for r in second]
+
+
+def test_ab_probe_reads_arms_and_runs_and_refuses_the_rest():
+    from benchmarks.ab_probe import parse_arm, parse_runs
+
+    assert parse_arm("off=--overlap-min-hit 2") == ("off", ["--overlap-min-hit", "2"])
+    assert parse_arm("base=") == ("base", [])
+    assert parse_runs("t1:1:e, greedy:16:d") == [("t1", 1, "e"), ("greedy", 16, "d")]
+    for bad in ("t1:1", "t3:1:e", "t1:0:e", "t1:1:x"):
+        with pytest.raises(SystemExit, match="mode:streams:system"):
+            parse_runs(bad)
+    with pytest.raises(SystemExit, match="name=FLAGS"):
+        parse_arm("--overlap-min-hit 2")

@@ -95,3 +95,14 @@ def test_attention_probe_refuses_bad_arguments():
         attention_probe.main(["--lengths", "50-10"])
     with pytest.raises(SystemExit, match="--batches"):
         attention_probe.main(["--batches", "x"])
+
+
+def test_ab_probe_runs_every_arm_by_turns_and_sums_them_up(capsys):
+    from benchmarks import ab_probe
+
+    assert ab_probe.main(["--arm", "base=", "--arm", "off=--overlap-min-hit 2", "--runs", "t1:1:e", "--rounds", "2",
+                          "--prompts", "2", "--per-stream", "1", "--max-new-tokens", "6", "--warm-up", "0"]) == 0
+    out = capsys.readouterr().out
+    rounds = [line.split(":")[0] for line in out.splitlines() if line.startswith("round ")]
+    assert rounds == ["round 1 base", "round 1 off", "round 2 off", "round 2 base"]  # order reversed each round
+    assert "| t1 1 streams (e) | base |" in out and "| t1 1 streams (e) | off |" in out

@@ -1,0 +1,119 @@
+"""Orchestrator settings A/B on one stack, by turns: `python -m benchmarks.ab_probe`.
+
+On a shared machine whose speed drifts by 10–30 % within minutes, two settings compare
+fairly only side by side. This starts one local stack (Redis, one draft and one target
+replica) with one orchestrator per arm, each with its own flags (say `--overlap-min-hit 2`
+against the default), and runs the same workload through every arm in turn, the order
+reversed every round, so a slow spell weighs on all arms alike. Each line gives a run's
+tokens/s, mean γ and share of pre-drafted rounds; the summary, each arm's mean and runs.
+
+Seeds: (d) and (f) requests are seeded (request i gets seed 1000 + 100000·round + i, so
+every round samples its own texts and the arms of a round the same ones); (e) sends none,
+as in `make bench`. With a fixed set of seeds the speed of (d) at temperature 1 is that of
+a few fixed texts, which is how (d) seemed to beat (e) by 10 % at one stream in every run
+(see benchmarks/bench.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+
+from benchmarks.remote import StackClient
+from benchmarks.runs import MODES, make_requests
+from benchmarks.stack_probe import SYSTEMS
+from localstack.stack import LocalStack
+from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_tokenizer
+
+
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """'name=flags' → (name, orchestrator arguments); 'name=' is the defaults."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--arm {text!r}: write name=FLAGS, e.g. off='--overlap-min-hit 2' (or base= for defaults)")
+    return name, shlex.split(flags)
+
+
+def parse_runs(text: str) -> list[tuple[str, int, str]]:
+    runs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        bits = part.split(":")
+        if len(bits) != 3 or bits[0] not in MODES or not bits[1].isdigit() or int(bits[1]) < 1 \
+                or bits[2] not in SYSTEMS:
+            raise SystemExit(f"--runs: {part!r} is not mode:streams:system (mode in {', '.join(MODES)}, "
+                             f"system in {''.join(SYSTEMS)})")
+        runs.append((bits[0], int(bits[1]), bits[2]))
+    if not runs:
+        raise SystemExit("--runs names no run")
+    return runs
+
+
+async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, per_stream: int, max_new: int,
+                    warm_up: float) -> dict[tuple, list[float]]:
+    clients = {name: StackClient(address) for name, address in addresses.items()}
+    results: dict[tuple, list[float]] = {}
+    try:
+        for client in clients.values():
+            await client.warm_up(make_requests(prompt_ids, len(prompt_ids)), max_new, warm_up)
+        for k in range(rounds):
+            order = list(clients) if k % 2 == 0 else list(clients)[::-1]
+            for mode, streams, system in runs:
+                requests = make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams), 1000 + 100_000 * k)
+                for arm in order:
+                    run = await clients[arm].run(system, requests, mode, streams, max_new, SYSTEMS[system])
+                    results.setdefault((mode, streams, system, arm), []).append(run.tps)
+                    shape = (f" γ {run.drafted / run.rounds:.2f} pre-drafted {run.overlap_hits / run.rounds:.2f}"
+                             if run.rounds else "")
+                    print(f"round {k + 1} {arm}: {mode} {streams} streams ({system}) {run.tps:.1f} tok/s{shape}",
+                          flush=True)
+    finally:
+        for client in clients.values():
+            await client.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab_probe", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--arm", action="append", default=[],
+                    help="name=ORCHESTRATOR_FLAGS, once per arm (at least two), e.g. --arm base= "
+                         "--arm off='--overlap-min-hit 2'")
+    ap.add_argument("--runs", default="t1:1:e", help="mode:streams:system runs per round, comma-separated "
+                    "(system d = fixed γ 4, e = adaptive, f = target only; default t1:1:e)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all arms (default 3)")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
+    ap.add_argument("--per-stream", type=int, default=3, help="requests per stream, at least one per prompt (default 3)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per request (default 96)")
+    ap.add_argument("--warm-up", type=float, default=3.0, help="seconds of traffic per arm first (default 3)")
+    ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: bundled)")
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: bundled)")
+    args = ap.parse_args(argv)
+    arms = [parse_arm(a) for a in args.arm]
+    if len(arms) < 2 or len({name for name, _ in arms}) != len(arms):
+        raise SystemExit("give at least two --arm name=FLAGS, with different names")
+    runs = parse_runs(args.runs)
+    if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens) < 1:
+        raise SystemExit("--rounds, --prompts, --per-stream and --max-new-tokens must be at least 1")
+    from training.corpus import heldout_prompts
+
+    tok = load_tokenizer(args.target)
+    prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
+    stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=1)
+    try:
+        stack.start_redis()
+        stack.start_replica("target")
+        stack.start_replica("draft")
+        addresses = {name: stack.start_orchestrator(extra=flags).address for name, flags in arms}
+        stack.wait_registered(1, 1)
+        results = asyncio.run(alternate(addresses, prompt_ids, runs, args.rounds, args.per_stream,
+                                        args.max_new_tokens, args.warm_up))
+    finally:
+        stack.stop()
+    print("\n| run | arm | mean tok/s | runs |\n|---|---|---|---|")
+    for (mode, streams, system, arm), tps in results.items():
+        print(f"| {mode} {streams} streams ({system}) | {arm} | {sum(tps) / len(tps):.1f} | "
+              f"{', '.join(f'{x:.1f}' for x in tps)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
