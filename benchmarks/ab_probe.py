@@ -21,9 +21,9 @@ import shlex
 
 from benchmarks.remote import StackClient
 from benchmarks.runs import MODES, make_requests
-from benchmarks.stack_probe import SYSTEMS
+from benchmarks.stack_probe import SYSTEMS, add_workload_args
 from localstack.stack import LocalStack
-from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_tokenizer
+from specdec.models import load_tokenizer
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -80,12 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default="t1:1:e", help="mode:streams:system runs per round, comma-separated "
                     "(system d = fixed γ 4, e = adaptive, f = target only; default t1:1:e)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all arms (default 3)")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
-    ap.add_argument("--per-stream", type=int, default=3, help="requests per stream, at least one per prompt (default 3)")
-    ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per request (default 96)")
-    ap.add_argument("--warm-up", type=float, default=3.0, help="seconds of traffic per arm first (default 3)")
-    ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: bundled)")
-    ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: bundled)")
+    add_workload_args(ap, warm_up=3.0)
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
     if len(arms) < 2 or len({name for name, _ in arms}) != len(arms):

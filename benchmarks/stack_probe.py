@@ -113,13 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--systems", default="fe",
                     help="which distributed systems to run per configuration, in order: d (fixed γ = 4), "
                          "e (adaptive γ with overlap), f (target only); default fe")
+    add_workload_args(ap, warm_up=5.0)
+    return ap
+
+
+def add_workload_args(ap: argparse.ArgumentParser, warm_up: float) -> None:
+    """The workload and model options the stack probes share."""
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
-    ap.add_argument("--per-stream", type=int, default=3, help="requests per stream (default 3, as make bench)")
+    ap.add_argument("--per-stream", type=int, default=3,
+                    help="requests per stream; every prompt runs at least once (default 3, as make bench)")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per request (default 96)")
-    ap.add_argument("--warm-up", type=float, default=5.0, help="seconds of traffic before measuring (default 5)")
+    ap.add_argument("--warm-up", type=float, default=warm_up,
+                    help=f"seconds of traffic through each orchestrator before measuring (default {warm_up:g})")
     ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: bundled)")
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: bundled)")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
