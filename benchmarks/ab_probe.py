@@ -20,8 +20,8 @@ import asyncio
 import shlex
 
 from benchmarks.remote import StackClient
-from benchmarks.runs import MODES, make_requests
-from benchmarks.stack_probe import SYSTEMS, add_workload_args
+from benchmarks.runs import MODES, make_requests, pass_seed_base
+from benchmarks.stack_probe import STACK_GAMMA, add_workload_args
 from localstack.stack import LocalStack
 from specdec.models import load_tokenizer
 
@@ -39,9 +39,9 @@ def parse_runs(text: str) -> list[tuple[str, int, str]]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         bits = part.split(":")
         if len(bits) != 3 or bits[0] not in MODES or not bits[1].isdigit() or int(bits[1]) < 1 \
-                or bits[2] not in SYSTEMS:
+                or bits[2] not in STACK_GAMMA:
             raise SystemExit(f"--runs: {part!r} is not mode:streams:system (mode in {', '.join(MODES)}, "
-                             f"system in {''.join(SYSTEMS)})")
+                             f"system in {''.join(STACK_GAMMA)})")
         runs.append((bits[0], int(bits[1]), bits[2]))
     if not runs:
         raise SystemExit("--runs names no run")
@@ -58,9 +58,9 @@ async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, pe
         for k in range(rounds):
             order = list(clients) if k % 2 == 0 else list(clients)[::-1]
             for mode, streams, system in runs:
-                requests = make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams), 1000 + 100_000 * k)
+                requests = make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams), pass_seed_base(k))
                 for arm in order:
-                    run = await clients[arm].run(system, requests, mode, streams, max_new, SYSTEMS[system])
+                    run = await clients[arm].run(system, requests, mode, streams, max_new, STACK_GAMMA[system])
                     results.setdefault((mode, streams, system, arm), []).append(run.tps)
                     shape = (f" γ {run.drafted / run.rounds:.2f} pre-drafted {run.overlap_hits / run.rounds:.2f}"
                              if run.rounds else "")

@@ -62,7 +62,7 @@ from benchmarks import report
 from benchmarks.costs import Costs, measure_costs
 from benchmarks.inprocess import build_engines, measure_wire, quiet_transformers, run_hf, run_spec_loop
 from benchmarks.remote import StackClient
-from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_requests, merge
+from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_requests, merge, pass_seed_base
 from specdec.model_runner import ModelRunner
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_tokenizer, pick_device, pick_dtype
 
@@ -124,11 +124,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--per-stream must be at least 1, got {args.per_stream}")
     args.plot = args.plot or args.out.with_name("speedup.png")
     return args
-
-
-def pass_seed_base(rep: int) -> int:
-    """The first seed of pass `rep`: passes sample different texts (see the module docstring)."""
-    return 1000 + 100_000 * rep
 
 
 def request_count(args: argparse.Namespace, concurrency: int) -> int:

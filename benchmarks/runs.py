@@ -40,6 +40,12 @@ class Request:
     seed: int
 
 
+def pass_seed_base(rep: int) -> int:
+    """The first seed of pass (or round) `rep` of a benchmark: each samples its own texts,
+    since at temperature 1 a run's speed depends on the texts its seeds sample."""
+    return 1000 + 100_000 * rep
+
+
 def make_requests(prompt_ids: list[list[int]], count: int, seed_base: int = 1000) -> list[Request]:
     """`count` requests cycling over the prompts; request i has seed seed_base + i."""
     return [Request(i, tuple(prompt_ids[i % len(prompt_ids)]), seed_base + i) for i in range(count)]

@@ -74,7 +74,7 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
     return configs
 
 
-SYSTEMS = {"d": 4, "e": None, "f": 0}  # the bench's distributed systems: their γ (None: adaptive)
+STACK_GAMMA = {"d": 4, "e": None, "f": 0}  # the γ of each distributed system of the bench (None: adaptive)
 
 
 async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_stream: int, max_new: int,
@@ -85,7 +85,7 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
         await client.warm_up(make_requests(prompt_ids, len(prompt_ids)), max_new, warm_up)
         for mode, streams in configs:
             for system in systems:
-                gamma = SYSTEMS[system]
+                gamma = STACK_GAMMA[system]
                 before = {pool: scrape(port) for pool, port in ports.items()}
                 cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
                 t0 = time.perf_counter()
@@ -132,8 +132,8 @@ def add_workload_args(ap: argparse.ArgumentParser, warm_up: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configs = parse_configs(args.configs)
-    if not args.systems or set(args.systems) - set(SYSTEMS):
-        raise SystemExit(f"--systems takes letters of {''.join(SYSTEMS)}, got {args.systems!r}")
+    if not args.systems or set(args.systems) - set(STACK_GAMMA):
+        raise SystemExit(f"--systems takes letters of {''.join(STACK_GAMMA)}, got {args.systems!r}")
     if min(args.prompts, args.per_stream, args.max_new_tokens) < 1:
         raise SystemExit("--prompts, --per-stream and --max-new-tokens must be at least 1")
     from training.corpus import heldout_prompts

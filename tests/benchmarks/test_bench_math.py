@@ -96,8 +96,7 @@ def test_a_run_keeps_every_stream_busy_for_per_stream_requests():
 
 
 def test_each_pass_samples_its_own_texts_with_seeds_shared_by_its_systems():
-    from benchmarks.bench import pass_seed_base
-    from benchmarks.runs import make_requests
+    from benchmarks.runs import make_requests, pass_seed_base
 
     prompts = [[1, 2], [3]]
     first, again = make_requests(prompts, 48, pass_seed_base(0)), make_requests(prompts, 48, pass_seed_base(0))
