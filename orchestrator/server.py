@@ -17,6 +17,7 @@ from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
 from specdec.config import add_common_args, env, read_secret, redis_client, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError
+from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of
 from specdec.models import BUNDLED_TARGET, load_tokenizer
 from specdec.registry import Registry
@@ -262,6 +263,7 @@ async def serve(args: argparse.Namespace) -> None:
     creds = server_credentials(args.tls_cert_file, args.tls_key_file, None)
     port = shell.listen(args.host, args.port, creds)
     metrics.serve_metrics(args.metrics_port)
+    log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
     await shell.server.start()
     await shell.set_serving(True)
     shell.install_signal_handlers()

@@ -38,6 +38,12 @@ INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
                            ["pool"])
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
 
+# every process
+GC_PAUSE_SECONDS = Histogram("specdec_gc_pause_seconds", "Pause of each cyclic garbage collection", ["generation"],
+                             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))
+GC_FROZEN_OBJECTS = Gauge("specdec_gc_frozen_objects",
+                          "Objects loaded at start-up and exempted from garbage collection (gc.freeze)")
+
 
 def serve_metrics(port: int) -> None:
     """Start the /metrics HTTP endpoint (port 0 = off)."""

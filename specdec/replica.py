@@ -13,6 +13,7 @@ from specdec import metrics
 from specdec.batcher import MicroBatcher
 from specdec.config import redis_client, setup_logging
 from specdec.errors import SpecDecError
+from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
@@ -109,6 +110,7 @@ class ReplicaHost:
         port = self.shell.listen(self.args.host, self.args.port, creds)
         metrics.serve_metrics(self.args.metrics_port)
         self.batcher.start()
+        log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         await self.shell.server.start()
         await self.shell.set_serving(True)
         self.heartbeat.start()
