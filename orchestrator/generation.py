@@ -1,6 +1,6 @@
 """The speculate → verify → correct loop across the two pools.
 
-Per round: one draft call, one target call, one pipelined Redis commit. Replica failures
+Per round: one draft call, one target call, one Redis commit (a single script call). Replica failures
 are absorbed here: a dead replica is replaced by a live one of its pool and the cache is
 rebuilt from the committed tokens; with no draft replica left the loop goes on
 target-only and picks speculation up again when a draft returns.

@@ -117,7 +117,7 @@ class SessionStore:
         The commands are built from the handle *now*, so the caller may start the next
         round (and change the handle) while the round trip is in flight. `handle.committed`
         already includes new_tokens; the stored length guards readers against a partially
-        applied append (MULTI/EXEC makes it atomic anyway). Every write is absolute
+        applied append (the script is atomic anyway). Every write is absolute
         (SETRANGE at an offset, the whole cursor), so a commit may be retried: while Redis
         restarts the stream waits, with backoff, up to commit_retry_seconds."""
         offset = 4 * (handle.length - len(new_tokens))
