@@ -19,6 +19,16 @@ from one row to two changes the matrix kernel and later rows cost little
 below its best: the measured table then grows around the optimum and the choice climbs
 to it.
 
+A measured time speaks for the present only while it is fresh: an entry not updated in the
+last `FRESH_CALLS` calls of its kind served alone is set aside (and restarts when that γ
+runs again), and the model, scaled to the fresh entries, fills in. Otherwise an entry
+from an earlier spell — other texts, another sampling kind, the machine at another speed
+— stands beside one measured just now: after greedy rounds (whose calls carry no
+distributions and cost less), the γ = 3 entry of a t = 1 session still held greedy times
+while γ = 4 had just been measured at t = 1, 18.8 against 22.9 ms a round where the true
+difference was 1.5–2 ms, and the choice sat at γ ≤ 3 (a trace of the policy through a
+local stack, 2026-12-01).
+
 In a shared batch, though, a session's own γ barely changes its own wall time (it waits
 for the batch), while every session's γ together sets the batch's cost: the measured
 table would call extra tokens free and push every γ up (measured at 16 streams: mean γ
@@ -68,6 +78,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 EXPLORE_EVERY = 8  # every 8th adaptive round of a session tries a neighbour of its best γ
 MEASURED_AFTER = 4  # calls with a given γ before their measured time replaces the model
+FRESH_CALLS = 100  # a measured γ not run for this many calls (served alone) is stale
 ALONE_BELOW = 1.5  # mean sessions per verify batch under which the measured times are used
 POOL_WEIGHT = 8.0  # draft tokens' worth of weight the process-wide α has in a session's estimate
 POOL_AFTER = 20  # rounds of a sampling kind before its process-wide α is used
@@ -78,6 +89,7 @@ class Ema:
     value: float | None = None
     weight: float = 0.1
     count: int = 0
+    last: int = 0  # the clock of its table at the last update (per-γ tables only)
 
     def update(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
@@ -88,6 +100,31 @@ class Ema:
 
 
 @dataclass
+class GammaTable:
+    """Measured wall times of whole calls, per γ, while sessions are alone; each entry
+    dated by the table's own clock (its calls), so that a stale one can be told apart."""
+    entries: dict[int, Ema] = field(default_factory=dict)
+    clock: int = 0
+
+    def update(self, gamma: int, ms: float) -> None:
+        self.clock += 1
+        ema = self.entries.get(gamma)
+        if ema is None or self.clock - ema.last > FRESH_CALLS:
+            ema = self.entries[gamma] = Ema()  # a stale entry starts over
+        ema.update(ms)
+        ema.last = self.clock
+
+    def measured(self, gamma: int) -> float | None:
+        ema = self.entries.get(gamma)
+        if ema is None or ema.count < MEASURED_AFTER or self.clock - ema.last > FRESH_CALLS:
+            return None
+        return ema.value
+
+    def __iter__(self):
+        return iter(self.entries)
+
+
+@dataclass
 class CostModel:
     """Shared by all sessions of one orchestrator process."""
     draft_call: Ema = field(default_factory=Ema)  # ms of a draft call, fixed part
@@ -95,8 +132,8 @@ class CostModel:
     verify_base: Ema = field(default_factory=Ema)  # ms of a verify call with no draft
     verify_token: Ema = field(default_factory=Ema)  # extra ms per draft token verified
     batch: Ema = field(default_factory=Ema)  # sessions per verify batch
-    draft_by_gamma: dict[int, Ema] = field(default_factory=dict)  # ms of a whole draft call, per γ
-    verify_by_gamma: dict[int, Ema] = field(default_factory=dict)  # ms of a whole verify call, per γ
+    draft_by_gamma: GammaTable = field(default_factory=GammaTable)  # ms of a whole draft call, per γ
+    verify_by_gamma: GammaTable = field(default_factory=GammaTable)  # ms of a whole verify call, per γ
     pool_accepted: dict[bool, Ema] = field(default_factory=dict)  # per round, keyed by greedy
     pool_tried: dict[bool, Ema] = field(default_factory=dict)
 
@@ -130,7 +167,7 @@ class CostModel:
         self.draft_step.update(compute_ms / gamma)
         self.draft_call.update(ms - compute_ms)
         if batch_size <= 1 and self.alone:
-            self.draft_by_gamma.setdefault(gamma, Ema()).update(ms)
+            self.draft_by_gamma.update(gamma, ms)
 
     def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float) -> None:
         """A verify call with γ draft tokens took `ms`, `compute_ms` of it in the engine (the
@@ -146,12 +183,7 @@ class CostModel:
         self.verify_base.update(ms - compute_ms + step)
         self.verify_token.update(slope * step)
         if batch_size <= 1 and self.alone:  # as for the draft: the table speaks for sessions alone
-            self.verify_by_gamma.setdefault(gamma, Ema()).update(ms)
-
-    @staticmethod
-    def _measured(table: dict[int, Ema], gamma: int) -> float | None:
-        ema = table.get(gamma)
-        return ema.value if ema is not None and ema.count >= MEASURED_AFTER else None
+            self.verify_by_gamma.update(gamma, ms)
 
     @property
     def alone(self) -> bool:
@@ -164,14 +196,14 @@ class CostModel:
     def _model_draft(self, gamma: int) -> float:
         return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)
 
-    def _calibrated(self, table: dict[int, Ema], model, gamma: int) -> float:
+    def _calibrated(self, table: GammaTable, model, gamma: int) -> float:
         """The measured time for γ, or the model's scaled by how far it is off where both
         are known: a table filled at some γ and a model elsewhere must not disagree by
         construction, or the choice drifts towards wherever the model is optimistic."""
-        value = self._measured(table, gamma)
+        value = table.measured(gamma)
         if value is not None:
             return value
-        ratios = [m / model(g) for g in table if (m := self._measured(table, g)) is not None and model(g) > 0]
+        ratios = [m / model(g) for g in table if (m := table.measured(g)) is not None and model(g) > 0]
         return model(gamma) * (sum(ratios) / len(ratios) if ratios else 1.0)
 
     def round_ms(self, gamma: int) -> float:

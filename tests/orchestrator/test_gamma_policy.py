@@ -1,7 +1,7 @@
 """Adaptive γ: the cost model recovers per-call and per-token costs from what the rounds
 report, and the policy picks the γ that maximises expected tokens per millisecond."""
-from orchestrator.gamma_policy import (EXPLORE_EVERY, MEASURED_AFTER, CostModel, SessionPolicy, expected_tokens,
-                                       verify_slope)
+from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, CostModel, SessionPolicy,
+                                       expected_tokens, verify_slope)
 
 
 def _observe(costs: CostModel, gammas, net: float, draft_step: float, target_step: float, batch: int):
@@ -111,21 +111,36 @@ def test_under_load_the_model_decides_and_nobody_explores():
 
 
 def test_unmeasured_gammas_take_the_model_scaled_to_the_measurements():
-    from orchestrator.gamma_policy import Ema
-
     costs = CostModel()
     for ema, value in ((costs.draft_call, 2.0), (costs.draft_step, 1.0), (costs.verify_base, 10.0),
                        (costs.verify_token, 1.0), (costs.batch, 1.0)):
         ema.update(value)
     model_3 = costs.round_ms(3)  # 2 + 3 + 10 + 3 = 18
     # γ = 4 measured 20 % dearer than the model's 6 + 14 ms
-    costs.draft_by_gamma[4] = Ema(value=1.2 * 6.0, count=MEASURED_AFTER)
-    costs.verify_by_gamma[4] = Ema(value=1.2 * 14.0, count=MEASURED_AFTER)
+    for _ in range(MEASURED_AFTER):
+        costs.draft_by_gamma.update(4, 1.2 * 6.0)
+        costs.verify_by_gamma.update(4, 1.2 * 14.0)
     assert model_3 == 18.0
     assert abs(costs.round_ms(3) - 1.2 * 18.0) < 1e-9
     assert abs(costs.round_ms(0) - 1.2 * 10.0) < 1e-9  # the verify-only round, scaled alike
     costs.batch.value = 16.0  # under load: the plain model again
     assert costs.round_ms(3) == 18.0
+
+
+def test_stale_measurements_give_way_to_the_model_scaled_to_fresh_ones():
+    """A γ measured in an earlier spell (cheaper greedy calls, say) must not stand beside
+    one measured just now: after FRESH_CALLS calls without it, it is modelled from the
+    fresh entries, and when it runs again it starts over."""
+    costs = CostModel()
+    _observe(costs, [3] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)  # the cheap spell
+    assert costs.draft_by_gamma.measured(3) == 5.0
+    _observe(costs, [4] * (FRESH_CALLS + 1), net=4.0, draft_step=1.5, target_step=12.0, batch=1)  # dearer now
+    assert costs.draft_by_gamma.measured(3) is None and costs.verify_by_gamma.measured(3) is None
+    fresh_4 = costs.round_ms(4)
+    assert fresh_4 - 4 < costs.round_ms(3) < fresh_4  # scaled to γ = 4, not the old 5 + 17 ms
+    costs.observe_draft(3, 8.5, 4.5)
+    assert costs.draft_by_gamma.entries[3].count == 1  # restarted, not blended with the old spell
+    assert costs.draft_by_gamma.measured(3) is None  # until measured MEASURED_AFTER times again
 
 
 def test_deterministic_policy_choices_are_the_documented_ones():
