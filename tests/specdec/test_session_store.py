@@ -14,6 +14,14 @@ def _handle() -> SessionHandle:
                          {"temperature": 1.0, "seed": 7})
 
 
+async def _new_session(url: str) -> tuple[aioredis.Redis, SessionStore, SessionHandle]:
+    client = aioredis.from_url(url)
+    store = SessionStore(client, ttl_seconds=30)
+    handle = _handle()
+    await store.create(handle)
+    return client, store, handle
+
+
 async def _commit_rounds(store: SessionStore, handle: SessionHandle, rounds: list[list[int]]) -> None:
     for new in rounds:
         handle.committed.extend(new)
@@ -23,10 +31,7 @@ async def _commit_rounds(store: SessionStore, handle: SessionHandle, rounds: lis
 
 def test_rounds_commit_atomically_and_load_back(redis_server):
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30)
-        handle = _handle()
-        await store.create(handle)
+        client, store, handle = await _new_session(redis_server.url)
         await client.expire(PREFIX + "s1", 5)  # a commit refreshes both TTLs
         await _commit_rounds(store, handle, [[14], [15, 16, 17], [18, 19]])
         loaded = await store.load("s1")
@@ -44,10 +49,7 @@ def test_rounds_commit_atomically_and_load_back(redis_server):
 def test_commit_goes_on_after_redis_restarts(redis_server):
     """A restarted Redis has forgotten the commit script: the store loads it again."""
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30)
-        handle = _handle()
-        await store.create(handle)
+        client, store, handle = await _new_session(redis_server.url)
         await _commit_rounds(store, handle, [[14, 15]])
         redis_server.stop()
         redis_server.start()  # same port and directory: the append-only file keeps the handle
