@@ -14,14 +14,18 @@ each back to back and after an idle gap before every call, as a replica sees whi
 other pool works on the round (on a shared VM an idle vCPU is slow to wake). The verify
 overhead over echo is the replica's own request handling (decode, batcher, encode).
 
-A last row per gap is no call at all: the same one-token target step in this process
-(ModelRunner over a 64-token cache), after the same idle gap. The in-process loop (c)
-never idles between its forwards; a replica does, while the other pool works, and on
-this kind of machine a forward after an idle gap is slower by itself, which is part of
-the (d)/(c) gap that no transport removes. Measured on 2026-12-01 at 09:45 UTC with
-`--gaps-ms 0,3,10` (medians): the step 4.00 ms back to back, 5.32 ms after 3 ms idle,
-5.64 ms after 10 ms; the replica's reported compute for the same step 4.83, 7.01, 6.28 ms
-by unary calls.
+A last row per gap is no call at all: the same one-token target step in this process,
+over a cache that grows as the replica's session does, after the same idle gap.
+
+The rows are timed one after another, and on this machine the speed drifts by 10–30 %
+within a minute, so a last table pairs them call by call: each Verify call, then the same
+step here over a cache of the same length (this process idled while the replica worked,
+as a replica idles while the other pool works), then one more step right after it.
+Before that table existed, the unpaired rows were read as a replica computing a third
+slower than this process (2026-12-01 17:45 UTC: 7.7–8.1 ms of replica compute against a
+5.5 ms step here back to back, a minute apart); paired in the same run, the replica's
+compute was 8.73 ms, the step here 8.91 ms after idling meanwhile and 8.26 ms back to
+back: the replica is not slower by itself, and idling costs a few per cent.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from benchmarks.runs import percentile
 from specdec.models import BUNDLED_TARGET
 
 ECHO = "/specdec.bench.Echo/Echo"
+PROMPT = [1, 500, 600, 700, 42]  # the session every verify row and the in-process row decode from
 
 
 async def serve_echo(port: int) -> None:
@@ -74,10 +79,34 @@ async def time_echo(address: str, calls: int, gap_s: float) -> list[float]:
         return out
 
 
+async def _decode_session(send, calls: int, gap_s: float, tag: str, after=None) -> list[tuple[float, object]]:
+    """Greedy target-only decoding of one session from PROMPT, one `send`(request) per
+    token: → (wall ms, response) per call past the prefill. `after()` runs after each
+    call, outside its timing."""
+    from specdec.internal.v1 import replica_pb2
+
+    sampling = replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    committed, cached, out = list(PROMPT), 0, []
+    for i in range(calls + 5):
+        ref = replica_pb2.CacheRef(session_id=f"rpc-floor-{tag}", epoch=1, start=cached, tokens=committed[cached:])
+        request = replica_pb2.VerifyRequest(cache=ref, sampling=sampling)
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.perf_counter()
+        resp = await send(request)
+        wall = (time.perf_counter() - t0) * 1000
+        if i >= 5:  # past the prefill
+            out.append((wall, resp))
+        cached = resp.cache_length
+        committed.append(resp.next_token)
+        if after is not None:
+            after(i >= 5)
+    return out
+
+
 async def time_verify(address: str, calls: int, gap_s: float, tag: str,
                       stream: bool = False) -> tuple[list[float], list[float]]:
-    """Greedy target-only decoding of one session, by unary calls or over one stream:
-    → (wall − compute ms, compute ms) per call."""
+    """By unary calls or over one stream: → (wall − compute ms, compute ms) per call."""
     from orchestrator.round_stream import RoundStream
     from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 
@@ -85,35 +114,57 @@ async def time_verify(address: str, calls: int, gap_s: float, tag: str,
         stub = replica_pb2_grpc.TargetStub(channel)
         link = RoundStream(stub.VerifyStream, f"target replica {address}", "target")
         send = (lambda req: link.call(req, 10)) if stream else (lambda req: stub.Verify(req, timeout=10))
-        sampling = replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)
-        session, committed, cached = f"rpc-floor-{tag}", [1, 500, 600, 700, 42], 0
-        overhead, compute = [], []
-        for i in range(calls + 5):
-            ref = replica_pb2.CacheRef(session_id=session, epoch=1, start=cached, tokens=committed[cached:])
-            request = replica_pb2.VerifyRequest(cache=ref, sampling=sampling)
-            if gap_s:
-                time.sleep(gap_s)
-            t0 = time.perf_counter()
-            resp = await send(request)
-            wall = (time.perf_counter() - t0) * 1000
-            if i >= 5:  # past the prefill
-                overhead.append(wall - resp.compute_ms)
-                compute.append(resp.compute_ms)
-            cached = resp.cache_length
-            committed.append(resp.next_token)
+        calls_made = await _decode_session(send, calls, gap_s, tag)
         await link.close()
-        await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
-        return overhead, compute
+        await stub.Release(replica_pb2.ReleaseRequest(session_id=f"rpc-floor-{tag}"))
+        return [wall - resp.compute_ms for wall, resp in calls_made], [resp.compute_ms for _, resp in calls_made]
+
+
+async def time_paired(address: str, runner, calls: int) -> tuple[list[float], list[float], list[float]]:
+    """Each Verify call, then the same step in this process over a cache of the same
+    length, then one more right after it: → (the replica's compute, this process's step
+    after idling while the replica worked, the step back to back) in ms. Paired call by
+    call, so the machine's drift weighs on all three alike, where the rows of `measure`
+    are timed one after another."""
+    import torch
+
+    from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+    from specdec.model_runner import ForwardItem
+
+    cache = runner.new_cache()
+    runner.forward([ForwardItem(cache, torch.tensor(PROMPT), 1)])
+    token = torch.tensor([7])
+    after_idle, back_to_back = [], []
+
+    def steps(keep: bool) -> None:
+        t0 = time.perf_counter()
+        runner.forward([ForwardItem(cache, token, 1)])
+        t1 = time.perf_counter()
+        runner.forward([ForwardItem(cache, token, 1)])
+        t2 = time.perf_counter()
+        cache.truncate(cache.length - 1)  # one position a call, as the replica's session
+        if keep:
+            after_idle.append((t1 - t0) * 1000)
+            back_to_back.append((t2 - t1) * 1000)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = replica_pb2_grpc.TargetStub(channel)
+        calls_made = await _decode_session(lambda req: stub.Verify(req, timeout=10), calls, 0.0, "paired", steps)
+        await stub.Release(replica_pb2.ReleaseRequest(session_id="rpc-floor-paired"))
+    return [resp.compute_ms for _, resp in calls_made], after_idle, back_to_back
 
 
 def time_step(runner, calls: int, gap_s: float) -> list[float]:
-    """ms of one in-process target step (one token over a 64-token cache) after `gap_s` idle."""
+    """ms of one in-process target step after `gap_s` idle, over a cache that grows one
+    position a step from the same five-token prompt as `time_verify`'s session, so that
+    the n-th step here attends over as many positions as the replica's n-th call (a step
+    over 512 cached positions costs about 30 % more than over 32 here)."""
     import torch
 
     from specdec.model_runner import ForwardItem
 
     cache = runner.new_cache()
-    runner.forward([ForwardItem(cache, torch.arange(64) % runner.vocab_size, 1)])
+    runner.forward([ForwardItem(cache, torch.tensor(PROMPT), 1)])
     token = torch.tensor([7])
     out = []
     for i in range(calls + 5):
@@ -123,7 +174,6 @@ def time_step(runner, calls: int, gap_s: float) -> list[float]:
         runner.forward([ForwardItem(cache, token, 1)])
         if i >= 5:
             out.append((time.perf_counter() - t0) * 1000)
-        cache.truncate(64)
     return out
 
 
@@ -142,6 +192,12 @@ async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: l
         if runner is not None:
             med, p90 = summary(time_step(runner, calls, gap / 1000))
             rows.append(f"| no call: target step in this process | {gap:g} ms | {med:.3f} | {p90:.3f} | {med:.3f} |")
+    if runner is not None:
+        rows += ["", "| paired, call by call | median ms | p90 ms |", "|---|---|---|"]
+        for name, values in zip(("replica's compute of a Verify call", "the same step here, after idling meanwhile",
+                                 "the same step here, back to back"), await time_paired(target_address, runner, calls)):
+            med, p90 = summary(values)
+            rows.append(f"| {name} | {med:.3f} | {p90:.3f} |")
     return rows
 
 

@@ -35,12 +35,16 @@ def test_rpc_floor_prints_echo_and_verify_rows(capsys):
 
     assert rpc_floor.main(["--calls", "3", "--gaps-ms", "0,1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
-    assert len(rows) == 2 + 8  # header, rule, then echo, Verify, VerifyStream and the bare step for each gap
+    # header, rule, then echo, Verify, VerifyStream and the bare step for each gap; then the
+    # paired table: header, rule and its three rows
+    assert len(rows) == 2 + 8 + 2 + 3
     verify = [r for r in rows if r.startswith("| Verify")]
     assert len(verify) == 4 and sum("VerifyStream" in r for r in verify) == 2
     assert all(float(r.split("|")[5]) > 0 for r in verify)  # the replica reported its compute time
     steps = [r for r in rows if r.startswith("| no call")]
     assert len(steps) == 2 and all(float(r.split("|")[3]) > 0 for r in steps)
+    paired = rows[-3:]
+    assert paired[0].startswith("| replica's compute") and all(float(r.split("|")[2]) > 0 for r in paired)
 
 
 def test_rpc_floor_refuses_bad_arguments():
