@@ -79,8 +79,8 @@ async def time_echo(address: str, calls: int, gap_s: float) -> list[float]:
         return out
 
 
-async def _decode_session(send, calls: int, gap_s: float, tag: str, after=None) -> list[tuple[float, object]]:
-    """Greedy target-only decoding of one session from PROMPT, one `send`(request) per
+async def _decode_session(send, calls: int, gap_s: float, session: str, after=None) -> list[tuple[float, object]]:
+    """Greedy target-only decoding of session `session` from PROMPT, one `send`(request) per
     token: → (wall ms, response) per call past the prefill. `after()` runs after each
     call, outside its timing."""
     from specdec.internal.v1 import replica_pb2
@@ -88,7 +88,7 @@ async def _decode_session(send, calls: int, gap_s: float, tag: str, after=None) 
     sampling = replica_pb2.SamplingParams(temperature=0.0, top_p=1.0)
     committed, cached, out = list(PROMPT), 0, []
     for i in range(calls + 5):
-        ref = replica_pb2.CacheRef(session_id=f"rpc-floor-{tag}", epoch=1, start=cached, tokens=committed[cached:])
+        ref = replica_pb2.CacheRef(session_id=session, epoch=1, start=cached, tokens=committed[cached:])
         request = replica_pb2.VerifyRequest(cache=ref, sampling=sampling)
         if gap_s:
             time.sleep(gap_s)
@@ -114,9 +114,10 @@ async def time_verify(address: str, calls: int, gap_s: float, tag: str,
         stub = replica_pb2_grpc.TargetStub(channel)
         link = RoundStream(stub.VerifyStream, f"target replica {address}", "target")
         send = (lambda req: link.call(req, 10)) if stream else (lambda req: stub.Verify(req, timeout=10))
-        calls_made = await _decode_session(send, calls, gap_s, tag)
+        session = f"rpc-floor-{tag}"
+        calls_made = await _decode_session(send, calls, gap_s, session)
         await link.close()
-        await stub.Release(replica_pb2.ReleaseRequest(session_id=f"rpc-floor-{tag}"))
+        await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
         return [wall - resp.compute_ms for wall, resp in calls_made], [resp.compute_ms for _, resp in calls_made]
 
 
@@ -149,8 +150,9 @@ async def time_paired(address: str, runner, calls: int) -> tuple[list[float], li
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = replica_pb2_grpc.TargetStub(channel)
-        calls_made = await _decode_session(lambda req: stub.Verify(req, timeout=10), calls, 0.0, "paired", steps)
-        await stub.Release(replica_pb2.ReleaseRequest(session_id="rpc-floor-paired"))
+        session = "rpc-floor-paired"
+        calls_made = await _decode_session(lambda req: stub.Verify(req, timeout=10), calls, 0.0, session, steps)
+        await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
     return [resp.compute_ms for _, resp in calls_made], after_idle, back_to_back
 
 

@@ -89,7 +89,6 @@ class Ema:
     value: float | None = None
     weight: float = 0.1
     count: int = 0
-    last: int = 0  # the clock of its table at the last update (per-γ tables only)
 
     def update(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
@@ -104,21 +103,23 @@ class GammaTable:
     """Measured wall times of whole calls, per γ, while sessions are alone; each entry
     dated by the table's own clock (its calls), so that a stale one can be told apart."""
     entries: dict[int, Ema] = field(default_factory=dict)
+    updated: dict[int, int] = field(default_factory=dict)  # γ → the clock at its last update
     clock: int = 0
+
+    def _fresh(self, gamma: int) -> bool:
+        return gamma in self.entries and self.clock - self.updated[gamma] <= FRESH_CALLS
 
     def update(self, gamma: int, ms: float) -> None:
         self.clock += 1
-        ema = self.entries.get(gamma)
-        if ema is None or self.clock - ema.last > FRESH_CALLS:
-            ema = self.entries[gamma] = Ema()  # a stale entry starts over
-        ema.update(ms)
-        ema.last = self.clock
+        if not self._fresh(gamma):
+            self.entries[gamma] = Ema()  # a stale entry starts over
+        self.entries[gamma].update(ms)
+        self.updated[gamma] = self.clock
 
     def measured(self, gamma: int) -> float | None:
-        ema = self.entries.get(gamma)
-        if ema is None or ema.count < MEASURED_AFTER or self.clock - ema.last > FRESH_CALLS:
+        if not self._fresh(gamma) or self.entries[gamma].count < MEASURED_AFTER:
             return None
-        return ema.value
+        return self.entries[gamma].value
 
     def __iter__(self):
         return iter(self.entries)
