@@ -248,7 +248,7 @@ def measure_all(args, draft_model, target_model, tok, requests_for):
         stack.stop()
     runs = [merge(list(group)) for group in zip(*passes)]
     sweep = [merge(list(group)) for group in zip(*sweeps)]
-    return runs, sweep, wire
+    return runs, sweep, wire, passes
 
 
 # ----------------------------------------------------------------------------- derived numbers
@@ -298,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                           sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps,
                           decision_gamma=args.gamma)
     log(f"c = {costs.ratio:.3f}: draft step {costs.draft_ms(1):.2f} ms, target step {costs.target_step_ms(1):.2f} ms")
-    runs, sweep, wire = measure_all(args, draft_model, target_model, tok, requests_for)
+    runs, sweep, wire, passes = measure_all(args, draft_model, target_model, tok, requests_for)
     attach_bounds(runs, sweep, costs, wire, args.gamma)
     meta["elapsed"] = time.perf_counter() - t_start
-    report.write_results(args.out, args.plot, args, meta, costs, runs, sweep, wire)
+    report.write_results(args.out, args.plot, args, meta, costs, runs, sweep, wire, passes)
     for check in report.check_targets(runs, args.concurrency):
         log(f"{check.verdict:>4}  {check.target} = {report.fmt(check.measured)} (≥ {check.required:.1f}) {check.note}")
     log(f"wrote {args.out} and {args.plot}")

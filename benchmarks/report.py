@@ -124,9 +124,21 @@ def check_targets(runs: list[RunResult], concurrency: list[int]) -> list[Check]:
     return checks
 
 
-def checks_table(checks: list[Check]) -> str:
-    lines = ["| target (tokens/s ratio) | measured | required | result | note |", "|---|---|---|---|---|"]
-    lines += [f"| {c.target} | {fmt(c.measured)} | ≥ {c.required:.1f} | {c.verdict} | {c.note} |" for c in checks]
+def checks_table(checks: list[Check], per_pass: list[list[Check]] = ()) -> str:
+    """The targets, with the same ratio in each pass beside the pooled one when there are
+    several: how far one ratio moves between passes of one run is the noise a single
+    verdict carries on a shared machine."""
+    head = "| target (tokens/s ratio) | measured | required | result |"
+    rule = "|---|---|---|---|"
+    if len(per_pass) > 1:
+        head += " per pass |"
+        rule += "---|"
+    lines = [head + " note |", rule + "---|"]
+    for i, c in enumerate(checks):
+        row = f"| {c.target} | {fmt(c.measured)} | ≥ {c.required:.1f} | {c.verdict} |"
+        if len(per_pass) > 1:
+            row += " " + " / ".join(fmt(p[i].measured) for p in per_pass) + " |"
+        lines.append(row + f" {c.note} |")
     return "\n".join(lines)
 
 
@@ -205,8 +217,11 @@ def wire_lines(wire: dict) -> list[str]:
     return lines
 
 
-def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, runs, sweep, wire) -> None:
+def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, runs, sweep, wire,
+                  passes: list[list[RunResult]] = ()) -> None:
+    """RESULTS.md and the plot; `passes`, each pass's own runs, add the per-pass ratios."""
     checks = check_targets(runs, args.concurrency)
+    per_pass = [check_targets(p, args.concurrency) for p in passes]
     out = ["# Benchmark results", "",
            f"- command: `{meta['command']}`",
            f"- date: {meta['date']}",
@@ -223,8 +238,9 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"torch threads: {args.threads} in-process, "
            f"{args.server_threads} per replica; wall time of the whole run {meta['elapsed']:.0f} s",
            "", "## Targets (issue 4, and issue 2's in-process loop against HF assisted generation)", "",
-           "Each target is a ratio of aggregate tokens/s measured in this run; it passes when measured ≥ required.", "",
-           checks_table(checks), "",
+           "Each target is a ratio of aggregate tokens/s measured in this run (all passes pooled); it passes when "
+           "measured ≥ required. Per pass: the same ratio within each pass alone.", "",
+           checks_table(checks, per_pass), "",
            f"## Step costs (ModelRunner forwards over a {costs.context}-token cache; median ms)", "",
            costs_table(costs), "",
            f"Cost ratio c = {costs.ratio:.3f} (batch 1).", ""]

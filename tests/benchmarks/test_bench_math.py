@@ -117,3 +117,17 @@ def test_ab_probe_reads_arms_and_runs_and_refuses_the_rest():
             parse_runs(bad)
     with pytest.raises(SystemExit, match="name=FLAGS"):
         parse_arm("--overlap-min-hit 2")
+
+
+def test_targets_table_shows_each_pass_beside_the_pooled_ratio():
+    def runs(e_tps):
+        return [_run(s, "greedy", 1, tps) for s, tps in (("a", 10), ("b", 12), ("c", 20), ("d", 19), ("e", e_tps),
+                                                         ("f", 10))]
+    passes = [runs(18), runs(26)]
+    pooled = [merge([p, q]) for p, q in zip(*passes)]
+    table = checks_table(check_targets(pooled, [1]), [check_targets(p, [1]) for p in passes])
+    row = next(line for line in table.splitlines() if line.startswith("| one stream, greedy: (e) ÷ (a) |"))
+    # pooled 44 tokens in 2 s against 20 in 2 s: 2.20, a PASS; the passes alone 1.80 and 2.60
+    assert row == "| one stream, greedy: (e) ÷ (a) | 2.20 | ≥ 2.0 | PASS | 1.80 / 2.60 |  |"
+    assert "per pass" in table.splitlines()[0]
+    assert "per pass" not in checks_table(check_targets(pooled, [1]), [check_targets(passes[0], [1])])
