@@ -6,7 +6,8 @@ and for each configuration (mode:streams) the runs of (f) target-only and (e) ad
 with overlap (or those of --systems, (d) fixed γ = 4 among them), side by side, each with
 its mean γ, tokens per round and share of rounds pre-drafted, and the replicas' view scraped from Prometheus around
 the run: mean sessions per batch, the share of the wall time the engine computed (busy)
-and the share it held batches for company (held). Each run also gives the CPU time of each
+and the share it held batches for company (held), and the orchestrator's pre-drafts per
+round with the share of them used (from its /metrics). Each run also gives the CPU time of each
 process per round (session-round under load: user + system time from /proc, Linux only),
 which is steadier than tokens/s on a shared machine whose speed drifts: the cost a change
 saves shows there even when the drift swamps the throughput.
@@ -47,6 +48,23 @@ def pool_view(before: dict[str, float], after: dict[str, float], wall: float) ->
             f"held {d.get('specdec_batch_hold_seconds_sum', 0.0) / wall:.2f}")
 
 
+def overlap_counts(port: int | None) -> tuple[float, float]:
+    """The orchestrator's pre-draft attempts and hits so far ((0, 0) without its /metrics)."""
+    if not port:
+        return 0.0, 0.0
+    samples = scrape_metrics(port)
+    return (samples.get('specdec_overlap_total{outcome="attempt"}', 0.0),
+            samples.get('specdec_overlap_total{outcome="hit"}', 0.0))
+
+
+def overlap_view(before: tuple[float, float], after: tuple[float, float], rounds: int) -> str:
+    """Pre-drafts per round and the share of them used: what a pre-draft costs against what it pays."""
+    attempts, hits = after[0] - before[0], after[1] - before[1]
+    if not rounds or not attempts:
+        return "pre-drafts: none"
+    return f"pre-drafts: {attempts / rounds:.2f}/round, {hits / attempts:.2f} used"
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a process so far (None off Linux or once it is gone)."""
     try:
@@ -78,7 +96,8 @@ STACK_GAMMA = {"d": 4, "e": None, "f": 0}  # the γ of each distributed system o
 
 
 async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_stream: int, max_new: int,
-                warm_up: float, pids: dict[str, int] | None = None, systems: str = "fe") -> list[str]:
+                warm_up: float, pids: dict[str, int] | None = None, systems: str = "fe",
+                orchestrator_port: int | None = None) -> list[str]:
     client = StackClient(address)
     lines = []
     try:
@@ -88,6 +107,7 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
                 gamma = STACK_GAMMA[system]
                 before = {pool: scrape(port) for pool, port in ports.items()}
                 cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
+                overlap_before = overlap_counts(orchestrator_port)
                 t0 = time.perf_counter()
                 run = await client.run(system, make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams)),
                                        mode, streams, max_new, gamma)
@@ -95,6 +115,8 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
                 after = {pool: scrape(port) for pool, port in ports.items()}
                 cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
                 views = " | ".join(f"{pool}: {pool_view(before[pool], after[pool], wall)}" for pool in ports)
+                if orchestrator_port:
+                    views += " | " + overlap_view(overlap_before, overlap_counts(orchestrator_port), run.rounds)
                 if pids:
                     views += " | " + cpu_view(cpu_before, cpu_after, run.rounds)
                 shape = (f"γ {run.drafted / run.rounds:.2f} tok/round {run.tokens / run.rounds:.2f} "
@@ -147,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         pids = {}
         for pool, port in ports.items():
             pids[pool] = stack.start_replica(pool, extra=["--metrics-port", str(port)]).proc.pid
-        pids["orchestrator"] = stack.start_orchestrator().proc.pid
+        orchestrator_port = free_port()
+        pids["orchestrator"] = stack.start_orchestrator(extra=["--metrics-port", str(orchestrator_port)]).proc.pid
         stack.wait_registered(1, 1)
         asyncio.run(probe(stack.orchestrator_address, ports, prompt_ids, configs, args.per_stream,
-                          args.max_new_tokens, args.warm_up, pids, args.systems))
+                          args.max_new_tokens, args.warm_up, pids, args.systems, orchestrator_port))
     finally:
         stack.stop()
     return 0

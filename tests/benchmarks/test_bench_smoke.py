@@ -67,6 +67,8 @@ def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     assert float(lines[2].split("γ ")[1].split()[0]) > 0  # (d) drafted
     assert all("target: batch" in ln for ln in lines)  # the target served every run
     assert "draft: batch" in lines[1]  # (e) drafted
+    assert "pre-drafts: none" in lines[0] and "pre-drafts: none" in lines[2]  # only (e) pre-drafts
+    assert "pre-drafts:" in lines[1]  # (e): the orchestrator's own counts, scraped
     for ln in lines:  # each process's CPU time per round, as measured from /proc
         cpu = dict(part.rsplit(" ", 1) for part in ln.split("cpu ms/round: ")[1].split(", "))
         assert set(cpu) == {"target", "draft", "orchestrator"} and float(cpu["target"]) > 0
