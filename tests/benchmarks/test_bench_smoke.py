@@ -112,3 +112,47 @@ def test_ab_probe_runs_every_arm_by_turns_and_sums_them_up(capsys):
     rounds = [line.split(":")[0] for line in out.splitlines() if line.startswith("round ")]
     assert rounds == ["round 1 base", "round 1 off", "round 2 off", "round 2 base"]  # order reversed each round
     assert "| t1 1 streams (e) | base |" in out and "| t1 1 streams (e) | off |" in out
+
+
+def test_dtype_probe_times_each_shape_in_each_dtype(capsys):
+    from benchmarks import dtype_probe
+    from specdec.models import BUNDLED_DRAFT
+
+    assert dtype_probe.main(["--model", str(BUNDLED_DRAFT), "--shapes", "1x1,2x3", "--reps", "2",
+                             "--context", "8"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "session(s)" in ln]
+    assert len(lines) == 2 and "2 session(s) × 3 token(s)" in lines[1]
+    assert all("float32" in ln and "bfloat16" in ln and "×)" in ln for ln in lines)
+
+
+def test_dtype_probe_refuses_bad_arguments():
+    from benchmarks import dtype_probe
+
+    with pytest.raises(SystemExit, match="--dtypes"):
+        dtype_probe.main(["--dtypes", "float8"])
+    with pytest.raises(SystemExit, match="--shapes"):
+        dtype_probe.main(["--shapes", "4"])
+
+
+def test_stop_rule_probe_prices_fixed_and_stopping_proposals(capsys):
+    from benchmarks import stop_rule_probe
+
+    assert stop_rule_probe.main(["--prompts", "2", "--max-new-tokens", "12", "--max-gamma", "3",
+                                 "--thresholds", "0.2", "--overhead-ms", "1", "--cost-reps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "rounds of γ = 3 (t1)" in out
+    assert [ln.split(":")[0] for ln in out.splitlines() if ln.startswith("fixed")] == [
+        "fixed γ = 1", "fixed γ = 2", "fixed γ = 3"]
+    assert "1.000 × the best fixed γ" in out  # the best one is itself
+    assert "stop after q(x) < 0.2" in out and "stop after max q < 0.2" in out
+
+
+def test_stop_rule_counts_what_a_cut_proposal_yields():
+    from benchmarks.stop_rule_probe import Round, first_below, tokens_per_second
+
+    rounds = [Round([0.9, 0.1, 0.8], [0.9, 0.5, 0.8], accepted=3), Round([0.9, 0.9, 0.9], [0.9, 0.9, 0.9], 0)]
+    assert first_below(rounds[0].q_token, 0.2) == 2 and first_below(rounds[1].q_token, 0.2) == 3
+    # cut after 2: the first round keeps both and the bonus (3 tokens), the second 1; 2 rounds
+    # of 1 + 2·1 + 2 ms each
+    tps, mean = tokens_per_second(rounds, lambda r: 2, 1.0, lambda k: 2.0, 1.0)
+    assert tps == pytest.approx(1000 * 4 / 10) and mean == 2

@@ -1,0 +1,110 @@
+"""Would the target be faster in another dtype here? `python -m benchmarks.dtype_probe`.
+
+On a GPU the replicas serve bf16 or fp16 (`specdec.models.pick_dtype`); on a CPU they
+serve fp32, and whether a CPU's bf16 kernels pay depends on the CPU: AMX tiles (Intel
+Sapphire Rapids and later) make large bf16 matrix products several times faster, but a
+decode step is a handful of rows, where the kernels' set-up and the other operators of a
+layer weigh as much as the products. This loads the model once per dtype, builds a
+`ModelRunner` of each, and times forwards of the shapes a replica runs — B sessions of
+n new tokens each over caches of about `--context` positions (1×1 a draft or target-only
+step, 1×5 one verification at γ = 4, 16×5 a full batch of them) — by turns, so that a slow
+spell of a shared machine weighs on every dtype alike. It prints the median ms per forward
+and each dtype's ratio to the first.
+
+The dtype changes the numbers the target computes, so it is a choice of the model served,
+made for every replica at start (`--dtype` of the replicas), never per batch: the output is
+exactly the served target's in either dtype, but not the same tokens in both.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec.model_runner import ForwardItem, ModelRunner
+from specdec.models import BUNDLED_TARGET, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(x) for x in part.lower().split("x")) for part in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shapes: expected SESSIONSxTOKENS pairs like 1x1,16x5, got {text!r}") from None
+    if any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise SystemExit(f"--shapes: each shape is SESSIONSxTOKENS with both at least 1, got {text!r}")
+    return shapes  # type: ignore[return-value]
+
+
+class Shape:
+    """B sessions whose caches hold `context` + 10·b positions, each fed n tokens a forward
+    and cut back after it, so that every timed forward sees the same cache lengths."""
+
+    def __init__(self, runner: ModelRunner, sessions: int, tokens: int, context: int) -> None:
+        self.runner, self.tokens = runner, tokens
+        self.lengths = [context + 10 * b for b in range(sessions)]
+        self.caches = []
+        for length in self.lengths:
+            cache = runner.new_cache()
+            runner.forward([ForwardItem(cache, torch.randint(0, runner.vocab_size, (length,)), 1)])
+            self.caches.append(cache)
+
+    def forward_ms(self) -> float:
+        for cache, length in zip(self.caches, self.lengths):
+            cache.truncate(length)
+        items = [ForwardItem(c, torch.randint(0, self.runner.vocab_size, (self.tokens,)), self.tokens)
+                 for c in self.caches]
+        t0 = time.perf_counter()
+        self.runner.forward(items)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        return (time.perf_counter() - t0) * 1000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.dtype_probe", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--model", default=str(BUNDLED_TARGET), help="model directory (default: the bundled target)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help=f"dtypes to compare, the first the reference; of {', '.join(DTYPES)} (default float32,bfloat16)")
+    ap.add_argument("--shapes", default="1x1,1x5,6x5,16x5",
+                    help="SESSIONSxTOKENS forwards to time (default 1x1,1x5,6x5,16x5)")
+    ap.add_argument("--context", type=int, default=150, help="cached positions per session (default 150)")
+    ap.add_argument("--reps", type=int, default=15, help="timed forwards per shape and dtype (default 15)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a replica)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not names or set(names) - set(DTYPES):
+        raise SystemExit(f"--dtypes takes names of {', '.join(DTYPES)}, got {args.dtypes!r}")
+    shapes = parse_shapes(args.shapes)
+    if args.reps < 1 or args.context < 1:
+        raise SystemExit("--reps and --context must be at least 1")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    runners = {n: ModelRunner(load_model(args.model, device, DTYPES[n])) for n in names}
+    cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}
+    times: dict[tuple, list[float]] = {k: [] for k in cases}
+    for case in cases.values():  # one untimed forward each: first-call allocations
+        case.forward_ms()
+    for _ in range(args.reps):
+        for key, case in cases.items():
+            times[key].append(case.forward_ms())
+    print(f"median ms per forward over {args.reps} by turns ({args.model}, {device}, {args.threads} thread(s), "
+          f"caches of about {args.context} positions)")
+    for s in shapes:
+        ref = statistics.median(times[(names[0], s)])
+        cells = [f"{n} {statistics.median(times[(n, s)]):.2f} ms" + ("" if n == names[0] else
+                 f" ({statistics.median(times[(n, s)]) / ref:.2f}×)") for n in names]
+        print(f"{s[0]:>3} session(s) × {s[1]} token(s): " + ", ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
