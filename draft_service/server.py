@@ -47,8 +47,10 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
 
     async def propose(self, request: replica_pb2.ProposeRequest) -> replica_pb2.ProposeResponse:
         """One proposal, for the unary call and for each message of a stream."""
+        if not 0 <= request.stop_below < 1:  # NaN fails too
+            raise InvalidRequest(f"stop_below must lie in [0, 1), got {request.stop_below}")
         job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling),
-                         request.guess_bonus)
+                         request.guess_bonus, request.stop_below)
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result

@@ -33,6 +33,16 @@ from specdec.wire_pb import from_pb, to_pb
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
 OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this
+# Adaptive sessions' proposals end after a token drafted with a top probability below
+# this (ProposeRequest.stop_below), per sampling kind; off by default. Priced in process
+# (benchmarks.stop_rule_probe), 0.1 made greedy 1.05-1.12x the best fixed γ, but through
+# the services on the 2-core CPU it lost: by turns on one stack (ab_probe, 4 rounds,
+# 2026-12-01 19:28 UTC) greedy (e) made 205.7 / 343.6 / 617.9 tokens/s at 1 / 4 / 16
+# streams with it against 213.0 / 389.4 / 681.6 without, since shorter proposals mean more
+# rounds, and every round costs the shared cores its calls. At temperature 1 no
+# threshold paid even in process. A pair whose rounds cost less may differ: measure.
+STOP_BELOW_GREEDY = 0.0
+STOP_BELOW_SAMPLED = 0.0
 
 
 @dataclass
@@ -81,7 +91,8 @@ def ref_pb(ref: CacheRef) -> replica_pb2.CacheRef:
 class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
                  costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
-                 overlap_min_hit: float = OVERLAP_MIN_HIT, streams: bool = True) -> None:
+                 overlap_min_hit: float = OVERLAP_MIN_HIT, streams: bool = True,
+                 stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED)) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -92,6 +103,7 @@ class Generator:
         self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
         self.overlap_min_hit = overlap_min_hit
         self.streams = streams  # a generation's Propose/Verify calls go over one stream per replica
+        self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
@@ -124,8 +136,9 @@ class Generator:
             raise DeadlineExceeded("the client's deadline passed during generation")
         return min(left, self.call_timeout)
 
-    async def _propose(self, links, handle, gamma, params_pb, deadline, stats):
-        """→ (tokens, distributions pb) or None when no draft replica can serve."""
+    async def _propose(self, links, handle, gamma, params_pb, deadline, stats, stop_below: float = 0.0):
+        """→ the proposal (at most γ tokens: fewer where the confidence stop cut it), or None
+        when no draft replica can serve."""
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
                 handle.draft_replica = await self.pools.pick("draft") or ""
@@ -134,7 +147,7 @@ class Generator:
                     return None
             ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
             request = replica_pb2.ProposeRequest(
-                cache=ref_pb(ref), num_tokens=gamma, sampling=params_pb)
+                cache=ref_pb(ref), num_tokens=gamma, sampling=params_pb, stop_below=stop_below)
             t0 = time.perf_counter()
             try:
                 resp = await links.propose(handle.draft_replica, request, self._timeout(deadline))
@@ -146,7 +159,9 @@ class Generator:
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += resp.ByteSize()
             if len(ref.tokens) <= 2:  # steady state only: a prefill is no measure of a round
-                self.costs.observe_draft(gamma, ms, resp.compute_ms, resp.batch_size)
+                self.costs.observe_draft(len(resp.draft_tokens), ms, resp.compute_ms, resp.batch_size)
+            if len(resp.draft_tokens) < gamma:
+                metrics.DRAFT_STOPS.inc()
             metrics.STAGE_SECONDS.labels("draft").observe(ms / 1000)
             return resp
         return None
@@ -206,14 +221,15 @@ class Generator:
         raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")
 
     # ----------------------------------------------------------------- overlapped drafting
-    async def _predraft(self, links, handle, start, last_draft, gamma, params_pb, deadline, stats):
+    async def _predraft(self, links, handle, start, last_draft, gamma, params_pb, deadline, stats,
+                        stop_below: float = 0.0):
         """While the target verifies round k, draft round k+1 as if round k were accepted in
         full: feed the last draft token, guess the bonus token (under the target's own
         noise for it: sampling.bonus_guess_rows), and draft γ more after it.
         One attempt; any failure just means no pre-draft."""
         request = replica_pb2.ProposeRequest(
             cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, [last_draft])),
-            num_tokens=gamma + 1, sampling=params_pb, guess_bonus=True)
+            num_tokens=gamma + 1, sampling=params_pb, guess_bonus=True, stop_below=stop_below)
         try:
             resp = await links.propose(handle.draft_replica, request, self._timeout(deadline))
         except (grpc.aio.AioRpcError, DeadlineExceeded):
@@ -235,7 +251,7 @@ class Generator:
                 ahead.cancel()
             return None
         spec = await ahead
-        if spec is None or not spec.draft_tokens:
+        if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
             return None
         policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
         if spec.draft_tokens[0] != verdict.next_token:
@@ -261,6 +277,7 @@ class Generator:
         params_pb = replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
         prompt_len, generated, reason = len(handle.committed), [], "length"
         last_draft_probe = time.monotonic()
+        stop_below = 0.0 if req.gamma is not None else self.stop_below[0 if req.params.greedy else 1]
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         pending: asyncio.Future | None = None  # the previous round's commit, then its emit
         metrics.ACTIVE_SESSIONS.inc()
@@ -283,11 +300,12 @@ class Generator:
                     gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
                     draft_tokens, dists = [], None
                     if gamma > 0:
-                        prop = await self._propose(links, handle, gamma, params_pb, deadline, stats)
+                        prop = await self._propose(links, handle, gamma, params_pb, deadline, stats, stop_below)
                         if prop is None:
                             gamma = 0
                         else:
                             draft_tokens = list(prop.draft_tokens)
+                            gamma = len(draft_tokens)  # the confidence stop may have cut it
                             dists = prop.distributions if prop.HasField("distributions") else None
                 ahead = None
                 # a pre-draft pays only when the round is likely to be accepted in full with the
@@ -298,7 +316,7 @@ class Generator:
                     g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
                     if g2 > 0:
                         ahead = asyncio.create_task(self._predraft(links, handle, m + gamma - 1, draft_tokens[-1], g2,
-                                                                   params_pb, deadline, stats))
+                                                                   params_pb, deadline, stats, stop_below))
                 try:
                     verdict = await self._verify(links, handle, draft_tokens, dists, params_pb, deadline, stats)
                 except BaseException:

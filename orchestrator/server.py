@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import Generator, Outcome
+from orchestrator.generation import STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
 from orchestrator.pools import PoolClients
 from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
@@ -231,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pre-draft round k+1 while round k is verified when the estimated chance of "
                          "using it (α^γ times the session's rate of right bonus guesses) is at least this; "
                          "0 = always, above 1 = never [SPECDEC_OVERLAP_MIN_HIT]")
+    ap.add_argument("--stop-below-greedy", type=float, default=float(env("STOP_BELOW_GREEDY", STOP_BELOW_GREEDY)),
+                    help="adaptive greedy sessions: the draft ends a proposal after a token whose top probability "
+                         "is below this, in [0, 1); 0 = off (the default: on the bundled pair it cost throughput "
+                         "through the services, see orchestrator/generation.py) [SPECDEC_STOP_BELOW_GREEDY]")
+    ap.add_argument("--stop-below-sampled", type=float, default=float(env("STOP_BELOW_SAMPLED", STOP_BELOW_SAMPLED)),
+                    help="the same for sampled sessions (temperature > 0); 0 = off, the default: on the bundled "
+                         "pair no threshold paid there even in process (benchmarks.stop_rule_probe) "
+                         "[SPECDEC_STOP_BELOW_SAMPLED]")
     ap.add_argument("--internal-calls", choices=("stream", "unary"), default=env("INTERNAL_CALLS", "stream"),
                     help="how a generation calls the pools: one stream per replica for the whole generation "
                          "(saves a call set-up per round) or a unary call per round [SPECDEC_INTERNAL_CALLS]")
@@ -256,7 +264,8 @@ async def serve(args: argparse.Namespace) -> None:
                         args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), CostModel(),
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
-                          streams=args.internal_calls == "stream")
+                          streams=args.internal_calls == "stream",
+                          stop_below=(args.stop_below_greedy, args.stop_below_sampled))
     token = read_secret(args.api_token_file)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
@@ -276,4 +285,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve(build_parser().parse_args(argv)))
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for flag in ("stop_below_greedy", "stop_below_sampled"):
+        if not 0 <= getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
+    asyncio.run(serve(args))

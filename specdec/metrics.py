@@ -33,6 +33,8 @@ GAMMA = Histogram("specdec_gamma", "Speculation length chosen per round", bucket
 STAGE_SECONDS = Histogram("specdec_stage_seconds", "Time per round stage", ["stage"], buckets=LATENCY_BUCKETS)
 ACTIVE_SESSIONS = Gauge("specdec_active_generations", "Generations in flight")
 OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hits", ["outcome"])
+DRAFT_STOPS = Counter("specdec_draft_stops_total",
+                      "Proposals the draft ended before the γ asked, at a token it was unsure of (stop_below)")
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
                            "Round streams opened to the pools (one per generation and replica, more after errors)",
                            ["pool"])

@@ -146,6 +146,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits → [B] float32: each row's largest probability at temperature 1,
+    exp(max − logsumexp), without building the distribution. The draft's confidence for
+    the stop rule (ProposeRequest.stop_below), the same for greedy and sampled sessions."""
+    logits = logits.float()
+    return torch.exp(logits.amax(-1) - torch.logsumexp(logits, -1))
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits → [..., V] float32 probabilities under temperature, top-k, top-p.
 

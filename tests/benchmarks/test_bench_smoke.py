@@ -47,15 +47,6 @@ def test_rpc_floor_prints_echo_and_verify_rows(capsys):
     assert paired[0].startswith("| replica's compute") and all(float(r.split("|")[2]) > 0 for r in paired)
 
 
-def test_rpc_floor_refuses_bad_arguments():
-    from benchmarks import rpc_floor
-
-    with pytest.raises(SystemExit, match="--gaps-ms"):
-        rpc_floor.main(["--gaps-ms", "0,x"])
-    with pytest.raises(SystemExit, match="--calls"):
-        rpc_floor.main(["--calls", "0"])
-
-
 def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     from benchmarks import stack_probe
 
@@ -74,15 +65,6 @@ def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
         assert set(cpu) == {"target", "draft", "orchestrator"} and float(cpu["target"]) > 0
 
 
-def test_stack_probe_refuses_a_bad_configuration():
-    from benchmarks import stack_probe
-
-    with pytest.raises(SystemExit, match="mode:streams"):
-        stack_probe.main(["--configs", "greedy:x"])
-    with pytest.raises(SystemExit, match="--systems"):
-        stack_probe.main(["--systems", "ex"])
-
-
 def test_attention_probe_prints_both_ways_for_each_case(capsys):
     from benchmarks import attention_probe
 
@@ -92,15 +74,6 @@ def test_attention_probe_prints_both_ways_for_each_case(capsys):
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[3:6]) and float(cells[2]) >= 1.0
-
-
-def test_attention_probe_refuses_bad_arguments():
-    from benchmarks import attention_probe
-
-    with pytest.raises(SystemExit, match="--lengths"):
-        attention_probe.main(["--lengths", "50-10"])
-    with pytest.raises(SystemExit, match="--batches"):
-        attention_probe.main(["--batches", "x"])
 
 
 def test_ab_probe_runs_every_arm_by_turns_and_sums_them_up(capsys):
@@ -125,15 +98,6 @@ def test_dtype_probe_times_each_shape_in_each_dtype(capsys):
     assert all("float32" in ln and "bfloat16" in ln and "×)" in ln for ln in lines)
 
 
-def test_dtype_probe_refuses_bad_arguments():
-    from benchmarks import dtype_probe
-
-    with pytest.raises(SystemExit, match="--dtypes"):
-        dtype_probe.main(["--dtypes", "float8"])
-    with pytest.raises(SystemExit, match="--shapes"):
-        dtype_probe.main(["--shapes", "4"])
-
-
 def test_stop_rule_probe_prices_fixed_and_stopping_proposals(capsys):
     from benchmarks import stop_rule_probe
 
@@ -156,3 +120,25 @@ def test_stop_rule_counts_what_a_cut_proposal_yields():
     # of 1 + 2·1 + 2 ms each
     tps, mean = tokens_per_second(rounds, lambda r: 2, 1.0, lambda k: 2.0, 1.0)
     assert tps == pytest.approx(1000 * 4 / 10) and mean == 2
+
+
+REFUSALS = [
+    ("rpc_floor", ["--gaps-ms", "0,x"], "--gaps-ms"),
+    ("rpc_floor", ["--calls", "0"], "--calls"),
+    ("stack_probe", ["--configs", "greedy:x"], "mode:streams"),
+    ("stack_probe", ["--systems", "ex"], "--systems"),
+    ("attention_probe", ["--lengths", "50-10"], "--lengths"),
+    ("attention_probe", ["--batches", "x"], "--batches"),
+    ("dtype_probe", ["--dtypes", "float8"], "--dtypes"),
+    ("dtype_probe", ["--shapes", "4"], "--shapes"),
+    ("stop_rule_probe", ["--thresholds", "0.1,x"], "--thresholds"),
+    ("stop_rule_probe", ["--max-gamma", "0"], "--max-gamma"),
+]
+
+
+@pytest.mark.parametrize("probe,argv,words", REFUSALS, ids=[f"{p} {' '.join(a)}" for p, a, _ in REFUSALS])
+def test_probes_refuse_bad_arguments_before_any_work(probe, argv, words):
+    import importlib
+
+    with pytest.raises(SystemExit, match=words):
+        importlib.import_module(f"benchmarks.{probe}").main(argv)

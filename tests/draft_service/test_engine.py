@@ -50,3 +50,34 @@ def test_a_pre_draft_guesses_the_bonus_under_the_targets_noise(draft_model, toke
     # a greedy guess is the argmax, as any greedy draft token
     greedy = engine.propose([ProposeJob(CacheRef("g", 1, 0, ids), 2, SamplingParams(0.0), guess_bonus=True)])[0]
     assert greedy.tokens == engine.propose([ProposeJob(CacheRef("g2", 1, 0, ids), 2, SamplingParams(0.0))])[0].tokens
+
+
+def test_a_proposal_stops_after_the_first_token_the_draft_is_unsure_of(draft_model, tokenizer):
+    """stop_below: the proposal is the full one's prefix up to and including the first
+    token drafted at a step whose top probability (temperature 1) is below the threshold;
+    the session's cache holds the prefix fed so far, as after any proposal."""
+    from specdec import sampling
+
+    engine = DraftEngine(ModelRunner(draft_model))
+    ids = tokenizer("import os\n\ndef main(argv):\n    ")["input_ids"]
+    for params in (SamplingParams(0.0), SamplingParams(1.0, seed=5)):
+        full = engine.propose([ProposeJob(CacheRef("full", 1, 0, ids), GAMMA, params)])[0]
+        # the top probability of each step of the full proposal, from the draft's own forward
+        logits = draft_model(torch.tensor([ids + full.tokens[:-1]])).logits[0, len(ids) - 1:]
+        top = sampling.top_probability(logits).tolist()
+        threshold = sorted(top)[GAMMA // 2] + 1e-6  # some steps above it, some below
+        keep = next(i + 1 for i, t in enumerate(top) if t < threshold)
+        cut = engine.propose([ProposeJob(CacheRef("cut", 1, 0, ids), GAMMA, params, stop_below=threshold)])[0]
+        assert 1 <= keep < GAMMA and cut.tokens == full.tokens[:keep]
+        assert cut.cache_length == len(ids) + keep - 1  # the last drafted token is still pending
+        if params.greedy:
+            assert cut.q is None
+        else:
+            assert torch.equal(cut.q, full.q[:keep])
+        engine.release("full"), engine.release("cut")
+    # never cut after a pre-draft's bonus guess; 0 = draft all γ
+    sure = engine.propose([ProposeJob(CacheRef("g", 1, 0, ids), GAMMA, SamplingParams(0.0), guess_bonus=True,
+                                      stop_below=0.999999)])[0]
+    assert len(sure.tokens) == 2
+    off = engine.propose([ProposeJob(CacheRef("o", 1, 0, ids), GAMMA, SamplingParams(0.0), stop_below=0.0)])[0]
+    assert len(off.tokens) == GAMMA

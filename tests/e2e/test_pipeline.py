@@ -169,3 +169,34 @@ def test_unary_internal_calls_give_the_same_tokens_as_round_streams(local_stack)
     finally:
         local_stack.kill(unary, sig=15)
         local_stack.orchestrators.remove(unary)
+
+
+def test_the_confidence_stop_keeps_the_output_exact(local_stack, target_model, tokenizer, heldout_prompts):
+    """An orchestrator whose adaptive proposals stop early where the draft is unsure
+    (--stop-below-greedy/--stop-below-sampled 0.5, far more often than the defaults):
+    greedy output is still the target's own, seeded sampling still reproducible, and
+    proposals were cut."""
+    from localstack.stack import free_port, scrape_metrics
+
+    port = free_port()
+    eager = local_stack.start_orchestrator(extra=["--stop-below-greedy", "0.5", "--stop-below-sampled", "0.5",
+                                                  "--metrics-port", str(port)])
+    try:
+        stub = api(eager.address)
+        for prompt in heldout_prompts[10:13]:
+            ids = tokenizer(prompt)["input_ids"]
+            r = stub.Generate(request(prompt, 48, 0.0), timeout=120)
+            assert list(r.token_ids) == target_greedy(target_model, ids, 48, tokenizer.eos_token_id)
+        stops = scrape_metrics(port)["specdec_draft_stops_total"]
+        assert stops > 0, "no proposal was ever cut"
+        a = stub.Generate(request("def run(self):\n", 40, 1.0, seed=78), timeout=120)
+        b = stub.Generate(request("def run(self):\n", 40, 1.0, seed=78), timeout=120)
+        assert list(a.token_ids) == list(b.token_ids)
+        stops_after = scrape_metrics(port)["specdec_draft_stops_total"]
+        assert stops_after > stops  # sampled proposals were cut too
+        for prompt in heldout_prompts[10:13]:  # a fixed γ asked for is drafted in full
+            stub.Generate(request(prompt, 48, 0.0, gamma=4), timeout=120)
+        assert scrape_metrics(port)["specdec_draft_stops_total"] == stops_after
+    finally:
+        local_stack.kill(eager, sig=15)
+        local_stack.orchestrators.remove(eager)

@@ -79,3 +79,24 @@ def test_oversized_message_is_resource_exhausted(local_stack):
 def test_server_keeps_serving_after_bad_input(local_stack):
     r = api(local_stack.orchestrator_address).Generate(request("def ok():\n", 4, 0.0), timeout=60)
     assert len(r.token_ids) == 4
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, float("nan")])
+def test_a_draft_refuses_a_bad_stop_threshold_and_keeps_serving(local_stack, tokenizer, value):
+    from specdec.internal.v1 import replica_pb2 as rpb
+    from specdec.internal.v1 import replica_pb2_grpc as rpb_grpc
+
+    draft = next(r for r in local_stack.replicas if r.kind == "draft" and r.proc.poll() is None)
+    prompt = tokenizer("def f(x):\n    return ")["input_ids"]
+    with grpc.insecure_channel(draft.address) as channel:
+        stub = rpb_grpc.DraftStub(channel)
+
+        def propose(stop_below):
+            cache = rpb.CacheRef(session_id="stop-check", epoch=1, start=0, tokens=prompt)
+            return stub.Propose(rpb.ProposeRequest(cache=cache, num_tokens=3, stop_below=stop_below,
+                                                   sampling=rpb.SamplingParams(temperature=0.0, top_p=1.0)), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            propose(value)
+        assert err.value.code() == INVALID and "stop_below must lie in [0, 1)" in err.value.details()
+        assert 1 <= len(propose(0.5).draft_tokens) <= 3  # the next call is served
+        stub.Release(rpb.ReleaseRequest(session_id="stop-check"), timeout=10)

@@ -273,3 +273,8 @@ def test_draft_rows_with_guesses_draw_each_row_by_its_own_rule():
     guessed = sampling.bonus_guess_rows(q, params, positions)
     assert mixed.tolist() == [plain[0], guessed[1], plain[2], plain[3], guessed[4]]
     assert guessed[4] == plain[4] == q[4].argmax()  # a greedy row is its argmax either way
+
+
+def test_top_probability_is_the_softmax_maximum():
+    logits = torch.randn(3, 50) * 4
+    assert torch.allclose(sampling.top_probability(logits), torch.softmax(logits, -1).amax(-1), atol=1e-6)

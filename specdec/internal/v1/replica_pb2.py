@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specdec/internal/v1/replica.proto\x12\x13specdec.internal.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x96\x01\n\x12\x44raftDistributions\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06sparse\x18\x02 \x01(\x08\x12\x12\n\ndense_fp16\x18\x03 \x01(\x0c\x12\x18\n\x10sparse_ids_int32\x18\x04 \x01(\x0c\x12\x19\n\x11sparse_probs_fp16\x18\x05 \x01(\x0c\x12\x13\n\x0brow_lengths\x18\x06 \x03(\x05\"\\\n\x08\x43\x61\x63heRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"\x9e\x01\n\x0eProposeRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\x12\x13\n\x0bguess_bonus\x18\x04 \x01(\x08\"\xa5\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12>\n\rdistributions\x18\x02 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\"\xca\x01\n\rVerifyRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12>\n\rdistributions\x18\x03 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\"\x86\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x10\n\x08resynced\x18\x06 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xe4\x01\n\nLoadReport\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08sessions\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x32\xde\x02\n\x05\x44raft\x12T\n\x07Propose\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse\x12^\n\rProposeStream\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReport2\xd9\x02\n\x06Target\x12Q\n\x06Verify\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse\x12[\n\x0cVerifyStream\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specdec/internal/v1/replica.proto\x12\x13specdec.internal.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x96\x01\n\x12\x44raftDistributions\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06sparse\x18\x02 \x01(\x08\x12\x12\n\ndense_fp16\x18\x03 \x01(\x0c\x12\x18\n\x10sparse_ids_int32\x18\x04 \x01(\x0c\x12\x19\n\x11sparse_probs_fp16\x18\x05 \x01(\x0c\x12\x13\n\x0brow_lengths\x18\x06 \x03(\x05\"\\\n\x08\x43\x61\x63heRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"\xb2\x01\n\x0eProposeRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\x12\x13\n\x0bguess_bonus\x18\x04 \x01(\x08\x12\x12\n\nstop_below\x18\x05 \x01(\x02\"\xa5\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12>\n\rdistributions\x18\x02 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\"\xca\x01\n\rVerifyRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12>\n\rdistributions\x18\x03 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\"\x86\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x10\n\x08resynced\x18\x06 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xe4\x01\n\nLoadReport\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08sessions\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x32\xde\x02\n\x05\x44raft\x12T\n\x07Propose\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse\x12^\n\rProposeStream\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReport2\xd9\x02\n\x06Target\x12Q\n\x06Verify\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse\x12[\n\x0cVerifyStream\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHEREF']._serialized_start=294
   _globals['_CACHEREF']._serialized_end=386
   _globals['_PROPOSEREQUEST']._serialized_start=389
-  _globals['_PROPOSEREQUEST']._serialized_end=547
-  _globals['_PROPOSERESPONSE']._serialized_start=550
-  _globals['_PROPOSERESPONSE']._serialized_end=715
-  _globals['_VERIFYREQUEST']._serialized_start=718
-  _globals['_VERIFYREQUEST']._serialized_end=920
-  _globals['_VERIFYRESPONSE']._serialized_start=923
-  _globals['_VERIFYRESPONSE']._serialized_end=1057
-  _globals['_RELEASEREQUEST']._serialized_start=1059
-  _globals['_RELEASEREQUEST']._serialized_end=1095
-  _globals['_RELEASERESPONSE']._serialized_start=1097
-  _globals['_RELEASERESPONSE']._serialized_end=1132
-  _globals['_LOADREQUEST']._serialized_start=1134
-  _globals['_LOADREQUEST']._serialized_end=1147
-  _globals['_LOADREPORT']._serialized_start=1150
-  _globals['_LOADREPORT']._serialized_end=1378
-  _globals['_DRAFT']._serialized_start=1381
-  _globals['_DRAFT']._serialized_end=1731
-  _globals['_TARGET']._serialized_start=1734
-  _globals['_TARGET']._serialized_end=2079
+  _globals['_PROPOSEREQUEST']._serialized_end=567
+  _globals['_PROPOSERESPONSE']._serialized_start=570
+  _globals['_PROPOSERESPONSE']._serialized_end=735
+  _globals['_VERIFYREQUEST']._serialized_start=738
+  _globals['_VERIFYREQUEST']._serialized_end=940
+  _globals['_VERIFYRESPONSE']._serialized_start=943
+  _globals['_VERIFYRESPONSE']._serialized_end=1077
+  _globals['_RELEASEREQUEST']._serialized_start=1079
+  _globals['_RELEASEREQUEST']._serialized_end=1115
+  _globals['_RELEASERESPONSE']._serialized_start=1117
+  _globals['_RELEASERESPONSE']._serialized_end=1152
+  _globals['_LOADREQUEST']._serialized_start=1154
+  _globals['_LOADREQUEST']._serialized_end=1167
+  _globals['_LOADREPORT']._serialized_start=1170
+  _globals['_LOADREPORT']._serialized_end=1398
+  _globals['_DRAFT']._serialized_start=1401
+  _globals['_DRAFT']._serialized_end=1751
+  _globals['_TARGET']._serialized_start=1754
+  _globals['_TARGET']._serialized_end=2099
 # @@protoc_insertion_point(module_scope)

@@ -49,16 +49,18 @@ class CacheRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("cache", "num_tokens", "sampling", "guess_bonus")
+    __slots__ = ("cache", "num_tokens", "sampling", "guess_bonus", "stop_below")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GUESS_BONUS_FIELD_NUMBER: _ClassVar[int]
+    STOP_BELOW_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     num_tokens: int
     sampling: SamplingParams
     guess_bonus: bool
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., guess_bonus: _Optional[bool] = ...) -> None: ...
+    stop_below: float
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., guess_bonus: _Optional[bool] = ..., stop_below: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "distributions", "cache_length", "compute_ms", "batch_size")
