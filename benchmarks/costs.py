@@ -90,7 +90,8 @@ class Costs:
         return self.bound_tps(alpha, gamma, batch) / self.bound_tps(0.0, 0, batch)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a timing ends when it does."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -100,10 +101,10 @@ def _time_forward(runner: ModelRunner, caches, n_new: int, context: int, reps: i
     times = []
     for i in range(reps + 2):  # two warm-up forwards
         items = [ForwardItem(c, torch.randint(runner.vocab_size, (n_new,), generator=gen), n_new) for c in caches]
-        _sync(runner.device)
+        sync_device(runner.device)
         t0 = time.perf_counter()
         runner.forward(items)
-        _sync(runner.device)
+        sync_device(runner.device)
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1000)
         for c in caches:

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from benchmarks.costs import sync_device
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.models import BUNDLED_TARGET, load_model
 
@@ -59,8 +60,7 @@ class Shape:
                  for c in self.caches]
         t0 = time.perf_counter()
         self.runner.forward(items)
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        sync_device(self.runner.device)
         return (time.perf_counter() - t0) * 1000
 
 

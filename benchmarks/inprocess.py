@@ -17,6 +17,7 @@ import uuid
 
 import torch
 
+from benchmarks.costs import sync_device
 from benchmarks.runs import MODES, Request, RunResult, cut_at_eos, tried_tokens
 from benchmarks.wire_meter import MeteredDraft, MeteredTarget, WireLog, WireModel
 from draft_service.engine import DraftEngine
@@ -24,12 +25,6 @@ from specdec.model_runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.spec_loop import generate
 from target_service.engine import TargetEngine
-
-
-def _sync(model) -> None:
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict:
@@ -79,10 +74,10 @@ def run_hf(target, requests: list[Request], mode: str, concurrency: int, max_new
     t_run = time.perf_counter()
     for start in range(0, len(requests), concurrency):
         batch = list(requests[start:start + concurrency])
-        _sync(target)
+        sync_device(target.device)
         t0 = time.perf_counter()
         outs = hf_generate(target, batch, params, max_new, eos_id, pad_id, assistant)
-        _sync(target)
+        sync_device(target.device)
         ms = (time.perf_counter() - t0) * 1000
         for out in outs:
             res.add_request(out, ms)

@@ -1,10 +1,11 @@
 """The cyclic garbage collector, tuned for a long-running server.
 
-Every process here imports torch, transformers and grpc: about 226,000 objects that a
-full (generation-2) collection walks, and each full collection stalls every session the
-process serves. Measured on this 2-core CPU (gc.callbacks in each process of a local
-stack, 2026-12-01): 100–320 ms per full collection in each of the orchestrator, the
-draft and the target replica. What start-up loads (modules, the model, the tokenizer)
+Every process here imports torch, transformers and grpc (about 200,000 objects), and a
+replica adds its model and tokenizer (about 380,000 in all): a full (generation-2)
+collection walks them all, and each full collection stalls every session the process
+serves. Measured on this 2-core CPU (gc.callbacks in each process of a local stack,
+2026-12-01): 130–320 ms per full collection in each of the orchestrator, the draft and
+the target replica. What start-up loads (modules, the model, the tokenizer)
 lives as long as the process, so once start-up is done it is moved to the permanent
 generation (`gc.freeze`): later full collections walk only what serving allocated,
 which reference counting frees anyway in the common case. The pauses that remain are
