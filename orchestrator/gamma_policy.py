@@ -32,10 +32,20 @@ local stack, 2026-12-01).
 In a shared batch, though, a session's own γ barely changes its own wall time (it waits
 for the batch), while every session's γ together sets the batch's cost: the measured
 table would call extra tokens free and push every γ up (measured at 16 streams: mean γ
-6.1, and slower than target-only decoding). Under load the linear model alone decides.
-There the verify time of a round grows with every session's draft tokens, so the
-per-token cost rises with load: γ shrinks as the target saturates and reaches 0 (no
-speculation) when drafting no longer pays, and grows again as load falls.
+6.1, and slower than target-only decoding). Under load the batch's forward decides: the
+verify time of a round is the call's time outside the forward plus the forward of a batch
+whose B sessions all feed γ + 1 rows, read off the target's cost curve by rows, measured
+from every response (orchestrator/forward_costs.py), with the draft's time from the linear
+model; until that curve has two points, the linear model with a fixed per-token slope.
+More sessions make each token cost B rows, so γ shrinks as the target saturates and
+reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
+The fixed slope, taken on another CPU, priced a token at 1.8 ms in a batch of 4 where
+this one's forward adds 0.35 (RESULTS.md, 19:53 UTC); by turns on one stack (`ab_probe
+--runs t1:4:e,...`, three runs of three rounds, 2026-12-01 20:40-20:58 UTC) the measured
+curve chose γ 3.0-4.3 against 2.7-3.0 at t = 1 and 4 streams and was 4.7, 7.7 and 3.5 %
+faster there; at 16 streams it was 3.3, 6.7 and 0.5 % slower at t = 1 (the draft's work
+shares the two cores with the target on this machine) and 3.9 % slower and 0.2 % faster
+greedy.
 A session at γ = 0 probes with a short draft now and then so its α stays current.
 
 A session's own α rests on a few dozen draft tokens, so it is noisy (about ±0.09 after
@@ -56,9 +66,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator.forward_costs import ForwardCosts
+
 MAX_GAMMA = 8
 # Extra forward cost per verified draft token, as a fraction of a plain decode step of the
-# same batch: on the bundled pair (benchmarks/RESULTS.md, step costs, 2026-11-30 22:37 UTC)
+# same batch, for the linear model that prices γ until the measured forward curve can:
+# on the bundled pair (benchmarks/RESULTS.md, step costs, 2026-11-30 22:37 UTC)
 # verifying γ = 4 costs 1.59 steps at batch 1, 1.48 at batch 4 and 1.99 at batch 16, i.e.
 # about 0.15 per token plus 0.007 per extra session in the batch: a fuller batch leaves
 # less idle compute to verify with.
@@ -137,6 +150,8 @@ class CostModel:
     verify_by_gamma: GammaTable = field(default_factory=GammaTable)  # ms of a whole verify call, per γ
     pool_accepted: dict[bool, Ema] = field(default_factory=dict)  # per round, keyed by greedy
     pool_tried: dict[bool, Ema] = field(default_factory=dict)
+    forward: ForwardCosts = field(default_factory=ForwardCosts)  # the target forward's ms by its rows
+    verify_wait: Ema = field(default_factory=Ema)  # ms of a verify call outside its batch's forward
 
     def observe_acceptance(self, greedy: bool, gamma: int, accepted: int) -> None:
         """One speculative round of some session: the process-wide α of its sampling kind."""
@@ -170,14 +185,18 @@ class CostModel:
         if batch_size <= 1 and self.alone:
             self.draft_by_gamma.update(gamma, ms)
 
-    def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float) -> None:
+    def observe_verify(self, gamma: int, ms: float, batch_size: int, compute_ms: float,
+                       batch_tokens: int = 0) -> None:
         """A verify call with γ draft tokens took `ms`, `compute_ms` of it in the engine (the
         whole batch's forward, which this session waits for). The forward's cost grows with
         every token verified (`verify_slope` of a step per token, more in fuller batches);
         under load the batch's forward grows, and with it the per-token cost, which is what
         shrinks γ as the target saturates."""
         self.batch.update(float(batch_size))
-        if not 0 < compute_ms <= ms:
+        if 0 < compute_ms <= ms:
+            self.forward.observe(batch_tokens, compute_ms)
+            self.verify_wait.update(ms - compute_ms)
+        else:
             compute_ms = 0.8 * ms
         slope = verify_slope(batch_size)
         step = compute_ms / (1 + slope * gamma)
@@ -194,6 +213,14 @@ class CostModel:
     def _model_verify(self, gamma: int) -> float:
         return self.verify_base.get(10.0) + gamma * self.verify_token.get(0.5)
 
+    def _loaded_verify(self, gamma: int) -> float:
+        """Under load: the call's time outside the forward, plus the forward of a batch
+        whose sessions all feed γ + 1 rows (the pending token and the draft), read off the
+        measured curve (orchestrator/forward_costs.py); the linear model until the curve
+        has two points."""
+        forward = self.forward.ms(self.batch.get(1.0) * (gamma + 1))
+        return self._model_verify(gamma) if forward is None else self.verify_wait.get(1.0) + forward
+
     def _model_draft(self, gamma: int) -> float:
         return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)
 
@@ -209,7 +236,7 @@ class CostModel:
 
     def round_ms(self, gamma: int) -> float:
         if not self.alone:
-            verify, draft = self._model_verify(gamma), self._model_draft(gamma)
+            verify, draft = self._loaded_verify(gamma), self._model_draft(gamma)
         else:
             verify = self._calibrated(self.verify_by_gamma, self._model_verify, gamma)
             draft = self._calibrated(self.draft_by_gamma, self._model_draft, gamma)

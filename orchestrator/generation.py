@@ -185,7 +185,8 @@ class Generator:
             stats.network_ms += max(0.0, ms - resp.compute_ms)
             stats.wire_bytes += request.ByteSize() + resp.ByteSize()
             if len(ref.tokens) <= 2 and not resp.resynced:
-                self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size, resp.compute_ms)
+                self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size, resp.compute_ms,
+                                         resp.batch_tokens)
             metrics.STAGE_SECONDS.labels("verify").observe(ms / 1000)
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "

@@ -41,6 +41,7 @@ class Verdict:
     resynced: bool = False
     compute_ms: float = 0.0
     batch_size: int = 1
+    batch_tokens: int = 0  # rows of the forward: what the orchestrator's cost curve is keyed by
 
 
 class TargetEngine:
@@ -87,13 +88,14 @@ class TargetEngine:
         if live:
             logits = self.runner.forward_packed(items)  # [Σ (γ + 1), V]
             self.forward_passes += 1
-            self.fed_tokens += sum(len(it.tokens) for it in items)
+            rows = sum(len(it.tokens) for it in items)
+            self.fed_tokens += rows
             verdicts = self._decide([jobs[i] for i in live], logits)
             ms = (time.perf_counter() - t0) * 1000
             for i, item, (n, token) in zip(live, items, verdicts):
                 committed = jobs[i].ref.start + len(jobs[i].ref.tokens)
                 item.cache.truncate(committed + n)  # keep the accepted prefix; next_token is pending
-                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live))
+                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows)
         return results  # type: ignore[return-value]
 
     def _decide(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:

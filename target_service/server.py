@@ -46,7 +46,8 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
             raise result
         return replica_pb2.VerifyResponse(
             accepted=result.accepted, next_token=result.next_token, cache_length=result.cache_length,
-            compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced)
+            compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced,
+            batch_tokens=result.batch_tokens)
 
     async def Verify(self, request, context):
         return await self.host.answer(self.verify, request, context)

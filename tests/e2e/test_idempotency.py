@@ -56,6 +56,7 @@ def test_a_duplicated_verify_is_refused_and_does_not_advance_the_cache(pair):
     n = len(prompt)
     first = target.Verify(rpb.VerifyRequest(cache=ref(sid, 1, 0, prompt), sampling=GREEDY), timeout=30)
     assert (first.accepted, first.cache_length) == (0, n)
+    assert (first.batch_size, first.batch_tokens) == (1, n)  # the prefill's rows, alone in its forward
     before = load_report(target_address, "target")
 
     refused(target.Verify, rpb.VerifyRequest(cache=ref(sid, 1, 0, prompt), sampling=GREEDY))
@@ -70,6 +71,7 @@ def test_a_duplicated_verify_is_refused_and_does_not_advance_the_cache(pair):
                                distributions=prop.distributions, sampling=GREEDY)
     verdict = target.Verify(round_, timeout=30)
     assert verdict.cache_length == n + 1 + verdict.accepted  # the cache did not move in between
+    assert verdict.batch_tokens == 1 + len(prop.draft_tokens)  # the pending token and the draft
     err = refused(target.Verify, round_)  # the same round again
     assert "duplicated" in err.details()
     assert load_report(target_address, "target").forward_passes == after.forward_passes + 1

@@ -1,5 +1,7 @@
 """Adaptive γ: the cost model recovers per-call and per-token costs from what the rounds
 report, and the policy picks the γ that maximises expected tokens per millisecond."""
+import pytest
+
 from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, CostModel, SessionPolicy,
                                        expected_tokens, verify_slope)
 
@@ -181,3 +183,36 @@ def test_pre_drafting_stops_where_the_bonus_guess_is_seldom_right():
     for _ in range(20):
         policy.observe_guess(True)
     assert policy.predraft_hit(2) > first
+
+
+def _loaded(forward_ms, batch: int, gammas=range(7), repeats: int = 10) -> CostModel:
+    """A cost model that has seen loaded rounds of every γ in `gammas`, each verified in a
+    batch of `batch` sessions feeding γ + 1 rows each, the forward costing forward_ms(rows)."""
+    costs = CostModel()
+    for _ in range(repeats):
+        for g in gammas:
+            costs.observe_draft(g, 1.0 + g, float(g), batch)
+            rows = batch * (g + 1)
+            costs.observe_verify(g, 1.0 + forward_ms(rows), batch, forward_ms(rows), rows)
+    return costs
+
+
+def test_under_load_gamma_follows_the_measured_forward_curve():
+    """Where extra rows cost the forward little (a CPU's matrix kernels past their first
+    extra row), γ stays long under load; where they cost much, it shrinks, and where the
+    batch is large and rows dear, speculation stops. The fixed slope would price all alike."""
+    cheap = _loaded(lambda rows: 10.0 + 0.05 * rows, batch=4)
+    steep = _loaded(lambda rows: 10.0 + 1.5 * rows, batch=4)
+    assert not cheap.alone and not steep.alone
+    assert cheap.round_ms(4) == pytest.approx((1.0 + 4.0) + 1.0 + 10.0 + 0.05 * 20)
+    assert _policy(0.7).choose(cheap) >= 4 > 2 >= _policy(0.7).choose(steep) > 0
+    saturated = _loaded(lambda rows: 10.0 + 2.0 * rows, batch=16)
+    assert _policy(0.5).choose(saturated) == 0
+
+
+def test_without_rows_in_the_responses_the_linear_model_prices_gamma():
+    """A target replica that reports no rows (older than the field) leaves the curve empty."""
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=30.0, batch=8)
+    assert costs.forward.ms(40) is None
+    assert costs.round_ms(3) == pytest.approx(costs._model_draft(3) + costs._model_verify(3))

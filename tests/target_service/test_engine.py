@@ -69,3 +69,19 @@ def test_greedy_verification_needs_no_distributions_and_sampling_does(target_mod
     assert (verdicts[0].accepted, verdicts[0].next_token) == (verdicts[1].accepted, verdicts[1].next_token)
     refused = engine.verify([VerifyJob(CacheRef("t1", 1, 0, [5, 6, 7]), draft, None, SamplingParams(1.0, seed=1))])[0]
     assert isinstance(refused, InvalidRequest) and "needs the draft's distributions" in str(refused)
+
+
+def test_each_verdict_reports_the_rows_of_the_forward_it_shared(target_model):
+    """The orchestrator prices γ under load on the forward's cost by rows, so every
+    session of a batch learns the batch's rows: its fed tokens and everyone else's; a
+    refused job adds none."""
+    engine = TargetEngine(ModelRunner(target_model))
+    jobs = [VerifyJob(CacheRef("five", 1, 0, [5, 6, 7, 8, 9]), [], None, SamplingParams(0.0)),
+            VerifyJob(CacheRef("seven", 1, 0, [5, 6, 7, 8, 9, 10, 11]), [17, 42], None, SamplingParams(0.0)),
+            VerifyJob(CacheRef("bad", 1, 0, [5]), [engine.runner.vocab_size], None, SamplingParams(0.0))]
+    first, second, refused = engine.verify(jobs)
+    assert isinstance(refused, InvalidRequest)
+    assert (first.batch_size, first.batch_tokens) == (second.batch_size, second.batch_tokens) == (2, 5 + 7 + 2)
+    alone = engine.verify([VerifyJob(CacheRef("five", 1, 5, [first.next_token]), [3, 4, 5], None,
+                                     SamplingParams(0.0))])[0]
+    assert (alone.batch_size, alone.batch_tokens) == (1, 4)
