@@ -83,6 +83,22 @@ class Outcome:
 Emit = Callable[[str, list[int]], Awaitable[None]]
 
 
+@dataclass
+class _Generation:
+    """What one run of the loop carries from round to round besides its tokens."""
+    req: GenerationRequest
+    handle: SessionHandle
+    deadline: float | None
+    links: SessionLinks
+    stats: Stats
+    policy: SessionPolicy
+    text: TextStream
+    params_pb: replica_pb2.SamplingParams
+    stop_below: float  # the confidence stop of this generation's proposals (0: off)
+    prompt_len: int
+    last_draft_probe: float
+
+
 def ref_pb(ref: CacheRef) -> replica_pb2.CacheRef:
     return replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
                                 tokens=ref.tokens, resync=ref.resync)
@@ -136,9 +152,10 @@ class Generator:
             raise DeadlineExceeded("the client's deadline passed during generation")
         return min(left, self.call_timeout)
 
-    async def _propose(self, links, handle, gamma, params_pb, deadline, stats, stop_below: float = 0.0):
+    async def _propose(self, gen: "_Generation", gamma: int) -> replica_pb2.ProposeResponse | None:
         """→ the proposal (at most γ tokens: fewer where the confidence stop cut it), or None
         when no draft replica can serve."""
+        handle, stats, deadline = gen.handle, gen.stats, gen.deadline
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
                 handle.draft_replica = await self.pools.pick("draft") or ""
@@ -147,10 +164,10 @@ class Generator:
                     return None
             ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
             request = replica_pb2.ProposeRequest(
-                cache=ref_pb(ref), num_tokens=gamma, sampling=params_pb, stop_below=stop_below)
+                cache=ref_pb(ref), num_tokens=gamma, sampling=gen.params_pb, stop_below=gen.stop_below)
             t0 = time.perf_counter()
             try:
-                resp = await links.propose(handle.draft_replica, request, self._timeout(deadline))
+                resp = await gen.links.propose(handle.draft_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
                 self._on_error(exc, handle, "draft", deadline, stats)
                 continue
@@ -166,17 +183,19 @@ class Generator:
             return resp
         return None
 
-    async def _verify(self, links, handle, draft_tokens, dists, params_pb, deadline, stats):
+    async def _verify(self, gen: "_Generation", draft_tokens: list[int],
+                      dists: replica_pb2.DraftDistributions | None) -> replica_pb2.VerifyResponse:
+        handle, stats, deadline = gen.handle, gen.stats, gen.deadline
         for _ in range(MAX_ATTEMPTS):
             if not handle.target_replica:
                 handle.target_replica = await self.pools.require("target")
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
             ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
             request = replica_pb2.VerifyRequest(
-                cache=ref_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=params_pb)
+                cache=ref_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb)
             t0 = time.perf_counter()
             try:
-                resp = await links.verify(handle.target_replica, request, self._timeout(deadline))
+                resp = await gen.links.verify(handle.target_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
                 self._on_error(exc, handle, "target", deadline, stats)
                 continue
@@ -222,24 +241,24 @@ class Generator:
         raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")
 
     # ----------------------------------------------------------------- overlapped drafting
-    async def _predraft(self, links, handle, start, last_draft, gamma, params_pb, deadline, stats,
-                        stop_below: float = 0.0):
+    async def _predraft(self, gen: "_Generation", start: int, last_draft: int,
+                        gamma: int) -> replica_pb2.ProposeResponse | None:
         """While the target verifies round k, draft round k+1 as if round k were accepted in
         full: feed the last draft token, guess the bonus token (under the target's own
         noise for it: sampling.bonus_guess_rows), and draft γ more after it.
         One attempt; any failure just means no pre-draft."""
+        handle = gen.handle
         request = replica_pb2.ProposeRequest(
             cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, [last_draft])),
-            num_tokens=gamma + 1, sampling=params_pb, guess_bonus=True, stop_below=stop_below)
+            num_tokens=gamma + 1, sampling=gen.params_pb, guess_bonus=True, stop_below=gen.stop_below)
         try:
-            resp = await links.propose(handle.draft_replica, request, self._timeout(deadline))
+            resp = await gen.links.propose(handle.draft_replica, request, self._timeout(gen.deadline))
         except (grpc.aio.AioRpcError, DeadlineExceeded):
             return None
-        stats.wire_bytes += resp.ByteSize()
+        gen.stats.wire_bytes += resp.ByteSize()
         return resp
 
-    async def _take_predraft(self, ahead: asyncio.Task, verdict, gamma: int, stats: "Stats",
-                             policy: SessionPolicy):
+    async def _take_predraft(self, gen: "_Generation", ahead: asyncio.Task, verdict, gamma: int):
         """Keep the pre-draft only if round k was accepted in full and its bonus token is the
         one the draft guessed; the rest was drafted on exactly the committed prefix, with the
         same per-position randomness, so it is the draft the next round would have made.
@@ -254,11 +273,11 @@ class Generator:
         spec = await ahead
         if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
             return None
-        policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
+        gen.policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
         if spec.draft_tokens[0] != verdict.next_token:
             return None
         metrics.OVERLAP.labels("hit").inc()
-        stats.overlap_hits += 1
+        gen.stats.overlap_hits += 1
         # a greedy proposal has no distributions
         dists = to_pb(drop_first_rows(from_pb(spec.distributions), 1)) if spec.HasField("distributions") else None
         tokens = list(spec.draft_tokens[1:])
@@ -269,16 +288,8 @@ class Generator:
         t_start = time.perf_counter()
         owner = f"{id(self)}:{random.getrandbits(32)}"
         handle = await self._open(req, owner)
-        links = SessionLinks(self.pools, self.streams)
-        stats = Stats()
-        policy = SessionPolicy(fixed=req.gamma, deterministic=req.seeded and req.params.temperature > 0,
-                               greedy=req.params.greedy)
-        text = TextStream(self.tokenizer, req.stop)
-        p = req.params
-        params_pb = replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
-        prompt_len, generated, reason = len(handle.committed), [], "length"
-        last_draft_probe = time.monotonic()
-        stop_below = 0.0 if req.gamma is not None else self.stop_below[0 if req.params.greedy else 1]
+        gen = self._begin(req, handle, deadline)
+        generated, reason = [], "length"
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         pending: asyncio.Future | None = None  # the previous round's commit, then its emit
         metrics.ACTIVE_SESSIONS.inc()
@@ -288,77 +299,111 @@ class Generator:
                 if m >= self.max_len:
                     reason = "context"
                     break
-                if not handle.draft_replica and time.monotonic() - last_draft_probe > 1.0:
-                    last_draft_probe = time.monotonic()  # a draft may have come back
-                    handle.draft_replica = await self.pools.pick("draft") or ""
-                    handle.cursor.draft_len = 0
+                await self._probe_draft_pool(gen)
                 remaining = req.max_new_tokens - len(generated)
-                if pre is not None:  # the pre-drafted continuation of a fully accepted round
-                    draft_tokens, dists, gamma = pre
-                    pre = None
-                else:
-                    want = policy.choose(self.costs) if handle.draft_replica else 0
-                    gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
-                    draft_tokens, dists = [], None
-                    if gamma > 0:
-                        prop = await self._propose(links, handle, gamma, params_pb, deadline, stats, stop_below)
-                        if prop is None:
-                            gamma = 0
-                        else:
-                            draft_tokens = list(prop.draft_tokens)
-                            gamma = len(draft_tokens)  # the confidence stop may have cut it
-                            dists = prop.distributions if prop.HasField("distributions") else None
-                ahead = None
-                # a pre-draft pays only when the round is likely to be accepted in full with the
-                # bonus guessed right; otherwise it is draft work thrown away, which also slows
-                # the verification it runs beside on shared cores
-                if (self.overlap and policy.fixed is None and gamma > 0 and handle.draft_replica
-                        and policy.predraft_hit(gamma) >= self.overlap_min_hit):
-                    g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
-                    if g2 > 0:
-                        ahead = asyncio.create_task(self._predraft(links, handle, m + gamma - 1, draft_tokens[-1], g2,
-                                                                   params_pb, deadline, stats, stop_below))
-                try:
-                    verdict = await self._verify(links, handle, draft_tokens, dists, params_pb, deadline, stats)
-                except BaseException:
-                    if ahead is not None:
-                        ahead.cancel()
-                    raise
-                if ahead is not None:
-                    pre = await self._take_predraft(ahead, verdict, gamma, stats, policy)
-                new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
-                out_text, kept = text.push(new)
-                if self.eos_id is not None and self.eos_id in new[:kept]:
-                    kept = new.index(self.eos_id) + 1
-                    reason = "eos"
-                if text.stopped:
-                    reason = "stop"
-                new = new[:kept]
-                handle.committed.extend(new)
-                handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
+                draft_tokens, dists, gamma = pre or await self._draft(gen, remaining, m)
+                ahead = self._start_predraft(gen, draft_tokens, gamma, remaining, m)
+                verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
+                pre = None if ahead is None else await self._take_predraft(gen, ahead, verdict, gamma)
+                new, out_text, reason = self._apply(gen, m, gamma, draft_tokens, verdict)
                 generated.extend(new)
-                self._count_round(stats, policy, gamma, verdict.accepted)
                 if pending is not None:
                     await pending  # rounds are committed and streamed in order
                 # the next round's calls overlap this round's Redis round trip; its tokens
                 # reach the client only once they are committed
                 pending = asyncio.ensure_future(
-                    self._commit_emit(self.store.commit_round(handle, new), emit, out_text, new, stats))
+                    self._commit_emit(self.store.commit_round(handle, new), emit, out_text, new, gen.stats))
                 if reason in ("eos", "stop"):
                     break
             if pending is not None:
                 await pending
-            tail = text.flush()
+            tail = gen.text.flush()
             if tail:
                 await emit(tail, [])
         finally:
             metrics.ACTIVE_SESSIONS.dec()
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
-            await asyncio.shield(self._close(handle, req, owner, pending, links))
+            await asyncio.shield(self._close(handle, req, owner, pending, gen.links))
         metrics.TOKENS.inc(len(generated))
-        return Outcome(handle.session_id, generated, reason, stats, prompt_len, p.seed, handle.draft_replica,
-                       handle.target_replica, (time.perf_counter() - t_start) * 1000)
+        return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
+                       handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
+
+    def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
+        p = req.params
+        return _Generation(
+            req, handle, deadline, SessionLinks(self.pools, self.streams), Stats(),
+            SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
+            TextStream(self.tokenizer, req.stop),
+            replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
+            0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
+            len(handle.committed), time.monotonic())
+
+    async def _probe_draft_pool(self, gen: "_Generation") -> None:
+        """A session decoding target-only for want of a draft replica looks for one again
+        now and then: a draft may have come back."""
+        if not gen.handle.draft_replica and time.monotonic() - gen.last_draft_probe > 1.0:
+            gen.last_draft_probe = time.monotonic()
+            gen.handle.draft_replica = await self.pools.pick("draft") or ""
+            gen.handle.cursor.draft_len = 0
+
+    async def _draft(self, gen: "_Generation", remaining: int,
+                     m: int) -> tuple[list[int], replica_pb2.DraftDistributions | None, int]:
+        """This round's proposal → (draft tokens, their distributions or None, γ); γ = 0
+        (target-only) when the policy says so or no draft replica can serve."""
+        want = gen.policy.choose(self.costs) if gen.handle.draft_replica else 0
+        gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
+        if gamma == 0:
+            return [], None, 0
+        prop = await self._propose(gen, gamma)
+        if prop is None:
+            return [], None, 0
+        dists = prop.distributions if prop.HasField("distributions") else None
+        return list(prop.draft_tokens), dists, len(prop.draft_tokens)  # the confidence stop may have cut it
+
+    def _start_predraft(self, gen: "_Generation", draft_tokens: list[int], gamma: int, remaining: int,
+                        m: int) -> asyncio.Task | None:
+        """Pre-draft round k+1 beside round k's verification, when that is likely to pay:
+        only when the round is likely to be accepted in full with the bonus guessed right;
+        otherwise it is draft work thrown away, which also slows the verification it runs
+        beside on shared cores."""
+        policy = gen.policy
+        if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
+                and policy.predraft_hit(gamma) >= self.overlap_min_hit):
+            return None
+        g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
+        if g2 <= 0:
+            return None
+        return asyncio.create_task(self._predraft(gen, m + gamma - 1, draft_tokens[-1], g2))
+
+    async def _verify_round(self, gen: "_Generation", draft_tokens: list[int],
+                            dists: replica_pb2.DraftDistributions | None, ahead: asyncio.Task | None):
+        """The round's verification; a pre-draft beside it is cancelled if it fails."""
+        try:
+            return await self._verify(gen, draft_tokens, dists)
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+            raise
+
+    def _apply(self, gen: "_Generation", m: int, gamma: int, draft_tokens: list[int],
+               verdict) -> tuple[list[int], str, str]:
+        """The verdict's tokens, cut at EOS or a stop string, committed to the handle →
+        (the new tokens, their text, the finish reason so far)."""
+        new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
+        out_text, kept = gen.text.push(new)
+        reason = "length"
+        if self.eos_id is not None and self.eos_id in new[:kept]:
+            kept = new.index(self.eos_id) + 1
+            reason = "eos"
+        if gen.text.stopped:
+            reason = "stop"
+        new = new[:kept]
+        handle = gen.handle
+        handle.committed.extend(new)
+        handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
+        self._count_round(gen.stats, gen.policy, gamma, verdict.accepted)
+        return new, out_text, reason
 
     def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int) -> None:
         stats.observe(gamma, accepted)
