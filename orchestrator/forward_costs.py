@@ -14,7 +14,9 @@ decayed means of its rows and its times, so a point sits where its observations 
 the curve between points is linear. The curve never falls with more rows (a running
 maximum over the points: noise does not make tokens free), and above the last point it
 rises with the steeper of its last segment and its mean slope, so that an unmeasured
-region is never cheaper than the measured one suggests.
+region is never cheaper than the measured one suggests. One curve per orchestrator
+process: the replicas of a pool are taken to be alike. `specdec_target_forward_ms{rows}`
+exports the buckets' times.
 """
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ class ForwardCosts:
             self.points[bucket_of(rows)] = _Point(float(rows), compute_ms)
         else:
             point.update(rows, compute_ms)
+
+    def point_ms(self, rows: int) -> float | None:
+        """The decayed mean time of the bucket holding `rows`, measured or not (for /metrics)."""
+        point = self.points.get(bucket_of(rows))
+        return None if point is None else point.ms
 
     def curve(self) -> list[tuple[float, float]]:
         """[(rows, ms)] of the measured points, rows ascending, ms non-decreasing."""

@@ -38,6 +38,10 @@ DRAFT_STOPS = Counter("specdec_draft_stops_total",
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
                            "Round streams opened to the pools (one per generation and replica, more after errors)",
                            ["pool"])
+TARGET_FORWARD_MS = Gauge("specdec_target_forward_ms",
+                          "The target forward's compute time (decayed mean, ms) by its rows, as the adaptive γ "
+                          "policy has measured it; rows is the lower bound of the bucket (orchestrator/forward_costs.py)",
+                          ["rows"])
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
 
 # every process

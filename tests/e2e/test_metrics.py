@@ -24,6 +24,8 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
         assert 'specdec_requests_total{code="OK",method="Generate"}' in m
         assert m["specdec_gamma_count"] >= r.stats.rounds
         assert "specdec_stage_seconds_bucket{le=\"0.01\",stage=\"verify\"}" in m
+        # the policy's view of the target forward: γ = 4 alone feeds 5 rows a round
+        assert m['specdec_target_forward_ms{rows="5"}'] > 0
         # one generation: one round stream to each pool, for all its rounds
         assert m['specdec_internal_streams_opened_total{pool="draft"}'] == 1
         assert m['specdec_internal_streams_opened_total{pool="target"}'] == 1
