@@ -4,10 +4,11 @@ Under load a verification's cost is the batch's forward, and what a session's γ
 is rows: every batched session feeds its pending tokens plus its draft. Each VerifyResponse
 reports the forward's compute time and its rows (`batch_tokens`), so the orchestrator
 learns the curve the hardware really has instead of assuming one. On a CPU it is far
-from linear (benchmarks/RESULTS.md, step costs, 2026-12-01 19:53 UTC): at batch 4 going
-from 4 to 8 rows cost 3.7 ms of a 10.5 ms step and from 8 to 20 rows 1.0 ms more, the
-matrix kernels changing shape at the first extra row; at batch 16, 16 → 48 rows cost
-4.6 ms and 48 → 112 rows 19 ms. A constant per-token slope from one machine misjudges both.
+from linear (`make bench`'s step costs, 2026-12-01 19:53 UTC, benchmarks/RESULTS.md at
+88f9cce): at batch 4 going from 4 to 8 rows cost 3.7 ms of a 10.5 ms step and from 8 to
+20 rows 1.0 ms more, the matrix kernels changing shape at the first extra row; at batch
+16, 16 → 48 rows cost 4.6 ms and 48 → 112 rows 19 ms. A constant per-token slope from one
+machine misjudges both.
 
 Rows are pooled into buckets (exact up to 8, then about a quarter apart); each bucket keeps
 decayed means of its rows and its times, so a point sits where its observations were, and

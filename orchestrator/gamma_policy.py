@@ -40,7 +40,7 @@ model; until that curve has two points, the linear model with a fixed per-token 
 More sessions make each token cost B rows, so γ shrinks as the target saturates and
 reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
 The fixed slope, taken on another CPU, priced a token at 1.8 ms in a batch of 4 where
-this one's forward adds 0.35 (RESULTS.md, 19:53 UTC); by turns on one stack (`ab_probe
+this one's forward adds 0.35 (`make bench`, 19:53 UTC); by turns on one stack (`ab_probe
 --runs t1:4:e,...`, three runs of three rounds, 2026-12-01 20:40-20:58 UTC) the measured
 curve chose γ 3.0-4.3 against 2.7-3.0 at t = 1 and 4 streams and was 4.7, 7.7 and 3.5 %
 faster there; at 16 streams it was 3.3, 6.7 and 0.5 % slower at t = 1 (the draft's work
