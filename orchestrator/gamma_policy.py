@@ -95,6 +95,8 @@ FRESH_CALLS = 100  # a measured γ not run for this many calls (served alone) is
 ALONE_BELOW = 1.5  # mean sessions per verify batch under which the measured times are used
 POOL_WEIGHT = 8.0  # draft tokens' worth of weight the process-wide α has in a session's estimate
 POOL_AFTER = 20  # rounds of a sampling kind before its process-wide α is used
+PREDRAFT_USE_AFTER = 8  # loaded pre-drafts of a kind before their use rate can stop them
+PREDRAFT_PROBE_EVERY = 8  # while stopped, every 8th chance still pre-drafts, to keep the rate current
 
 
 @dataclass
@@ -152,12 +154,37 @@ class CostModel:
     pool_tried: dict[bool, Ema] = field(default_factory=dict)
     forward: ForwardCosts = field(default_factory=ForwardCosts)  # the target forward's ms by its rows
     verify_wait: Ema = field(default_factory=Ema)  # ms of a verify call outside its batch's forward
+    predraft_use: dict[bool, Ema] = field(default_factory=dict)  # under load: share of pre-drafts used, by greedy
+    predraft_skipped: dict[bool, int] = field(default_factory=dict)
 
     def observe_acceptance(self, greedy: bool, gamma: int, accepted: int) -> None:
         """One speculative round of some session: the process-wide α of its sampling kind."""
         if gamma > 0:
             self.pool_accepted.setdefault(greedy, Ema(weight=0.02)).update(float(accepted))
             self.pool_tried.setdefault(greedy, Ema(weight=0.02)).update(float(min(accepted + 1, gamma)))
+
+    def observe_predraft(self, greedy: bool, used: bool) -> None:
+        """A pre-draft's fate, counted while sessions share the target's batches."""
+        if not self.alone:
+            self.predraft_use.setdefault(greedy, Ema(weight=0.05)).update(float(used))
+
+    def predraft_pays(self, greedy: bool, min_use: float) -> bool:
+        """Whether pre-drafting still pays for this sampling kind. Alone, a wasted pre-draft
+        costs only draft time that would have idled; under load it costs the draft pool
+        capacity other sessions wait for (and, where the pools share cores, the target's
+        time), so the kind's pre-drafts must be used at least `min_use` of the time. The
+        hit estimate that starts one (α^γ × guess rate) is a session's; this is what its
+        kind's pre-drafts actually did. Measured on the bundled pair under load: greedy
+        used 52-66 % of them, t = 1 20-41 % (`benchmarks.stack_probe`), and turning
+        pre-drafts off under load made greedy 3-10 % slower and t = 1 5-7 % faster
+        (`ab_probe`, 2026-12-01 19:13-19:20 UTC); with this rule against none, by turns
+        (21:36-21:38 UTC), within the noise (README, overlapped drafting). While stopped, every
+        `PREDRAFT_PROBE_EVERY`th chance still pre-drafts, so the rate follows the text."""
+        use = self.predraft_use.get(greedy)
+        if self.alone or min_use <= 0 or use is None or use.count < PREDRAFT_USE_AFTER or use.value >= min_use:
+            return True
+        self.predraft_skipped[greedy] = self.predraft_skipped.get(greedy, 0) + 1
+        return self.predraft_skipped[greedy] % PREDRAFT_PROBE_EVERY == 0
 
     def pool_alpha(self, greedy: bool) -> float | None:
         accepted, tried = self.pool_accepted.get(greedy), self.pool_tried.get(greedy)

@@ -34,6 +34,7 @@ from specdec.wire_pb import from_pb, to_pb
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
 OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this
+OVERLAP_MIN_USE = 0.5  # under load, only while at least this share of a kind's pre-drafts were used
 # Adaptive sessions' proposals end after a token drafted with a top probability below
 # this (ProposeRequest.stop_below), per sampling kind; off by default. Priced in process
 # (benchmarks.stop_rule_probe), 0.1 made greedy 1.05-1.12x the best fixed γ, but through
@@ -108,7 +109,8 @@ def ref_pb(ref: CacheRef) -> replica_pb2.CacheRef:
 class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
                  costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
-                 overlap_min_hit: float = OVERLAP_MIN_HIT, streams: bool = True,
+                 overlap_min_hit: float = OVERLAP_MIN_HIT, overlap_min_use: float = OVERLAP_MIN_USE,
+                 streams: bool = True,
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED)) -> None:
         self.pools = pools
         self.store = store
@@ -119,6 +121,7 @@ class Generator:
         self.call_timeout = call_timeout
         self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
         self.overlap_min_hit = overlap_min_hit
+        self.overlap_min_use = overlap_min_use  # under load (CostModel.predraft_pays)
         self.streams = streams  # a generation's Propose/Verify calls go over one stream per replica
         self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
 
@@ -270,14 +273,18 @@ class Generator:
         shorter half of a round); the next call on that stream queues behind it, where
         cancelling would cost the stream."""
         metrics.OVERLAP.labels("attempt").inc()
+        greedy = gen.policy.greedy
         if verdict.accepted < gamma:
             if not self.streams:
                 ahead.cancel()
+            self.costs.observe_predraft(greedy, False)
             return None
         spec = await ahead
         if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
+            self.costs.observe_predraft(greedy, False)
             return None
         gen.policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
+        self.costs.observe_predraft(greedy, spec.draft_tokens[0] == verdict.next_token)
         if spec.draft_tokens[0] != verdict.next_token:
             return None
         metrics.OVERLAP.labels("hit").inc()
@@ -374,6 +381,9 @@ class Generator:
         policy = gen.policy
         if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
                 and policy.predraft_hit(gamma) >= self.overlap_min_hit):
+            return None
+        if not self.costs.predraft_pays(policy.greedy, self.overlap_min_use):
+            metrics.OVERLAP.labels("skipped").inc()
             return None
         g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
         if g2 <= 0:

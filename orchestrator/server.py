@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
+from orchestrator.generation import OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
 from orchestrator.pools import PoolClients
 from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pre-draft round k+1 while round k is verified when the estimated chance of "
                          "using it (α^γ times the session's rate of right bonus guesses) is at least this; "
                          "0 = always, above 1 = never [SPECDEC_OVERLAP_MIN_HIT]")
+    ap.add_argument("--overlap-min-use", type=float, default=float(env("OVERLAP_MIN_USE", OVERLAP_MIN_USE)),
+                    help="under load (sessions sharing the target's batches), pre-draft only while at least this "
+                         "share of the sampling kind's pre-drafts were used, in [0, 1]; 0 = whatever their use "
+                         "[SPECDEC_OVERLAP_MIN_USE]")
     ap.add_argument("--stop-below-greedy", type=float, default=float(env("STOP_BELOW_GREEDY", STOP_BELOW_GREEDY)),
                     help="adaptive greedy sessions: the draft ends a proposal after a token whose top probability "
                          "is below this, in [0, 1); 0 = off (the default: on the bundled pair it cost throughput "
@@ -264,6 +268,7 @@ async def serve(args: argparse.Namespace) -> None:
                         args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), CostModel(),
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
+                          overlap_min_use=args.overlap_min_use,
                           streams=args.internal_calls == "stream",
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled))
     token = read_secret(args.api_token_file)
@@ -290,4 +295,6 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("stop_below_greedy", "stop_below_sampled"):
         if not 0 <= getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
+    if not 0 <= args.overlap_min_use <= 1:
+        ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
     asyncio.run(serve(args))

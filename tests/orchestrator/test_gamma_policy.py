@@ -2,7 +2,8 @@
 report, and the policy picks the γ that maximises expected tokens per millisecond."""
 import pytest
 
-from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, CostModel, SessionPolicy,
+from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, PREDRAFT_PROBE_EVERY,
+                                       PREDRAFT_USE_AFTER, CostModel, SessionPolicy,
                                        expected_tokens, verify_slope)
 
 
@@ -216,3 +217,25 @@ def test_without_rows_in_the_responses_the_linear_model_prices_gamma():
     _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=30.0, batch=8)
     assert costs.forward.ms(40) is None
     assert costs.round_ms(3) == pytest.approx(costs._model_draft(3) + costs._model_verify(3))
+
+
+def test_under_load_pre_drafts_stop_where_few_were_used_and_probe_now_and_then():
+    """A wasted pre-draft under load costs the other sessions draft capacity: a sampling
+    kind whose loaded pre-drafts were mostly wasted stops pre-drafting, but every
+    PREDRAFT_PROBE_EVERY-th chance still tries, so the rate can recover. Alone, or with
+    min_use 0, nothing stops."""
+    costs = _loaded(lambda rows: 10.0 + 0.1 * rows, batch=4)
+    assert all(costs.predraft_pays(False, 0.5) for _ in range(5))  # nothing measured yet
+    for i in range(PREDRAFT_USE_AFTER + 20):
+        costs.observe_predraft(False, i % 5 == 0)  # one in five used (t = 1 under load)
+        costs.observe_predraft(True, i % 5 != 0)  # four in five (greedy)
+    chances = [costs.predraft_pays(False, 0.5) for _ in range(4 * PREDRAFT_PROBE_EVERY)]
+    assert chances.count(True) == 4  # the probes
+    assert all(costs.predraft_pays(True, 0.5) for _ in range(20))  # greedy's are mostly used
+    assert all(costs.predraft_pays(False, 0.0) for _ in range(20))  # the rule is off
+    for _ in range(200):  # the load has gone: sessions alone, whatever the rate
+        costs.observe_verify(0, 12.0, 1, 10.0, 1)
+    assert costs.alone and costs.predraft_pays(False, 0.5)
+    before = costs.predraft_use[False].count
+    costs.observe_predraft(False, False)  # alone, a pre-draft's fate is not counted
+    assert costs.predraft_use[False].count == before

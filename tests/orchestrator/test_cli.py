@@ -1,0 +1,17 @@
+"""The orchestrator's command line refuses out-of-range tuning flags before it serves."""
+import pytest
+
+from orchestrator.server import main
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--overlap-min-use", "1.5"], "--overlap-min-use must lie in [0, 1], got 1.5"),
+    (["--overlap-min-use", "-0.1"], "--overlap-min-use must lie in [0, 1]"),
+    (["--stop-below-greedy", "1"], "--stop-below-greedy must lie in [0, 1), got 1.0"),
+    (["--stop-below-sampled", "-1"], "--stop-below-sampled must lie in [0, 1)"),
+])
+def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
