@@ -41,7 +41,7 @@ More sessions make each token cost B rows, so γ shrinks as the target saturates
 reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
 The fixed slope, taken on another CPU, priced a token at 1.8 ms in a batch of 4 where
 this one's forward adds 0.35 (`make bench`, 19:53 UTC); by turns on one stack (`ab_probe
---runs t1:4:e,...`, three runs of three rounds, 2026-12-01 20:40-20:58 UTC) the measured
+--runs t1:4:e,...`, three runs of three rounds, 2026-12-01 20:44-20:58 UTC) the measured
 curve chose γ 3.0-4.3 against 2.7-3.0 at t = 1 and 4 streams and was 4.7, 7.7 and 3.5 %
 faster there; at 16 streams it was 3.3, 6.7 and 0.5 % slower at t = 1 (the draft's work
 shares the two cores with the target on this machine) and 3.9 % slower and 0.2 % faster
@@ -218,7 +218,8 @@ class CostModel:
         whole batch's forward, which this session waits for). The forward's cost grows with
         every token verified (`verify_slope` of a step per token, more in fuller batches);
         under load the batch's forward grows, and with it the per-token cost, which is what
-        shrinks γ as the target saturates."""
+        shrinks γ as the target saturates. The batch's forward (compute time and rows) also
+        joins the measured curve that prices γ under load once it can (`_loaded_verify`)."""
         self.batch.update(float(batch_size))
         if 0 < compute_ms <= ms:
             self.forward.observe(batch_tokens, compute_ms)
