@@ -55,16 +55,17 @@ class ForwardCosts:
     def observe(self, rows: int, compute_ms: float) -> None:
         if rows < 1 or not compute_ms > 0:
             return  # a replica that reports no rows (an older one) or no time
-        point = self.points.get(bucket_of(rows))
+        key = bucket_of(rows)
+        point = self.points.get(key)
         if point is None:
-            self.points[bucket_of(rows)] = _Point(float(rows), compute_ms)
+            self.points[key] = _Point(float(rows), compute_ms)
         else:
             point.update(rows, compute_ms)
 
-    def point_ms(self, rows: int) -> float | None:
-        """The decayed mean time of the bucket holding `rows`, measured or not (for /metrics)."""
-        point = self.points.get(bucket_of(rows))
-        return None if point is None else point.ms
+    def table(self) -> dict[int, float]:
+        """{bucket: decayed mean ms} of every bucket, measured enough or not (for /metrics;
+        read from the metrics thread, hence the one-step copy of the dict)."""
+        return {key: point.ms for key, point in dict(self.points).items()}
 
     def curve(self) -> list[tuple[float, float]]:
         """[(rows, ms)] of the measured points, rows ascending, ms non-decreasing."""

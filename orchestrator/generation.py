@@ -16,7 +16,6 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from orchestrator.forward_costs import bucket_of
 from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.round_stream import SessionLinks
@@ -210,9 +209,6 @@ class Generator:
             if len(ref.tokens) <= 2 and not resp.resynced:
                 self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size, resp.compute_ms,
                                          resp.batch_tokens)
-                forward_ms = self.costs.forward.point_ms(resp.batch_tokens)
-                if forward_ms is not None:
-                    metrics.TARGET_FORWARD_MS.labels(str(bucket_of(resp.batch_tokens))).set(forward_ms)
             metrics.STAGE_SECONDS.labels("verify").observe(ms / 1000)
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "

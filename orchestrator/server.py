@@ -266,7 +266,9 @@ async def serve(args: argparse.Namespace) -> None:
     redis = redis_client(args.redis_url, args.redis_password_file)
     pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
                         args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
-    generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), CostModel(),
+    costs = CostModel()
+    metrics.export_target_forward_ms(costs.forward.table)
+    generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use,
                           streams=args.internal_calls == "stream",

@@ -1,7 +1,10 @@
 """Prometheus metrics of every process (exported on --metrics-port at /metrics)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from typing import Callable
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
@@ -38,10 +41,6 @@ DRAFT_STOPS = Counter("specdec_draft_stops_total",
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
                            "Round streams opened to the pools (one per generation and replica, more after errors)",
                            ["pool"])
-TARGET_FORWARD_MS = Gauge("specdec_target_forward_ms",
-                          "The target forward's compute time (decayed mean, ms) by its rows, as the adaptive γ "
-                          "policy has measured it; rows is the lower bound of the bucket (orchestrator/forward_costs.py)",
-                          ["rows"])
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
 
 # every process
@@ -49,6 +48,28 @@ GC_PAUSE_SECONDS = Histogram("specdec_gc_pause_seconds", "Pause of each cyclic g
                              buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))
 GC_FROZEN_OBJECTS = Gauge("specdec_gc_frozen_objects",
                           "Objects loaded at start-up and exempted from garbage collection (gc.freeze)")
+
+
+class _TableGauge:
+    """A gauge family read at scrape time from state the process keeps anyway, so the hot
+    path copies nothing into a metric."""
+
+    def __init__(self, name: str, doc: str, label: str, read: Callable[[], dict]) -> None:
+        self.name, self.doc, self.label, self.read = name, doc, label, read
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.doc, labels=[self.label])
+        for key, value in self.read().items():
+            family.add_metric([str(key)], value)
+        yield family
+
+
+def export_target_forward_ms(read: Callable[[], dict]) -> None:
+    """specdec_target_forward_ms{rows}: the γ policy's measured forward times, `read()` →
+    {bucket's lower bound of rows: ms} (orchestrator/forward_costs.py)."""
+    REGISTRY.register(_TableGauge(
+        "specdec_target_forward_ms", "The target forward's compute time (decayed mean, ms) by its rows, as the "
+        "adaptive γ policy has measured it; rows is the lower bound of the bucket", "rows", read))
 
 
 def serve_metrics(port: int) -> None:
