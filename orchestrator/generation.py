@@ -87,7 +87,6 @@ Emit = Callable[[str, list[int]], Awaitable[None]]
 @dataclass
 class _Generation:
     """What one run of the loop carries from round to round besides its tokens."""
-    req: GenerationRequest
     handle: SessionHandle
     deadline: float | None
     links: SessionLinks
@@ -339,7 +338,7 @@ class Generator:
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
         p = req.params
         return _Generation(
-            req, handle, deadline, SessionLinks(self.pools, self.streams), Stats(),
+            handle, deadline, SessionLinks(self.pools, self.streams), Stats(),
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
             TextStream(self.tokenizer, req.stop),
             replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
