@@ -63,7 +63,9 @@ def test_causal_mask_table_matches_the_definition(target_model):
             assert mask is None
             continue
         expected = torch.arange(start + n)[None] <= torch.arange(start, start + n)[:, None]
-        assert torch.equal(mask, expected), (start, n)
+        assert mask.dtype == runner.dtype, (start, n)  # additive: SDPA adds it as it is
+        assert torch.equal(mask == 0, expected), (start, n)
+        assert torch.equal(mask[~expected], torch.full_like(mask[~expected], float("-inf"))), (start, n)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
