@@ -97,6 +97,10 @@ POOL_WEIGHT = 8.0  # draft tokens' worth of weight the process-wide α has in a 
 POOL_AFTER = 20  # rounds of a sampling kind before its process-wide α is used
 PREDRAFT_USE_AFTER = 8  # loaded pre-drafts of a kind before their use rate can stop them
 PREDRAFT_PROBE_EVERY = 8  # while stopped, every 8th chance still pre-drafts, to keep the rate current
+# calls observed after which the round times a choice reads are recomputed: pricing every γ
+# took 100 µs a choice under load, for costs whose decayed means move by a few percent in
+# that many calls
+TABLE_REFRESH = 8
 
 
 @dataclass
@@ -156,6 +160,10 @@ class CostModel:
     verify_wait: Ema = field(default_factory=Ema)  # ms of a verify call outside its batch's forward
     predraft_use: dict[bool, Ema] = field(default_factory=dict)  # under load: share of pre-drafts used, by greedy
     predraft_skipped: dict[bool, int] = field(default_factory=dict)
+    observed: int = 0  # draft and verify calls observed
+    _table: list[float] = field(default_factory=list)  # round_ms by γ, as of `_table_at`
+    _table_at: int = 0
+    _table_alone: bool = True
 
     def observe_acceptance(self, greedy: bool, gamma: int, accepted: int) -> None:
         """One speculative round of some session: the process-wide α of its sampling kind."""
@@ -205,6 +213,7 @@ class CostModel:
         against 200 before the load)."""
         if gamma <= 0:
             return
+        self.observed += 1
         if not 0 < compute_ms <= ms:  # a replica that reports no compute time: a rough split
             compute_ms = 0.7 * ms
         self.draft_step.update(compute_ms / gamma)
@@ -220,6 +229,7 @@ class CostModel:
         under load the batch's forward grows, and with it the per-token cost, which is what
         shrinks γ as the target saturates. The batch's forward (compute time and rows) also
         joins the measured curve that prices γ under load once it can (`_loaded_verify`)."""
+        self.observed += 1
         self.batch.update(float(batch_size))
         if 0 < compute_ms <= ms:
             self.forward.observe(batch_tokens, compute_ms)
@@ -269,6 +279,17 @@ class CostModel:
             verify = self._calibrated(self.verify_by_gamma, self._model_verify, gamma)
             draft = self._calibrated(self.draft_by_gamma, self._model_draft, gamma)
         return verify if gamma == 0 else draft + verify
+
+    def round_table(self, max_gamma: int) -> list[float]:
+        """`round_ms` of γ = 0 .. max_gamma (at least), as a choice reads them: recomputed
+        once `TABLE_REFRESH` calls have been observed since, or when the load regime
+        (`alone`) flips, not on every choice of every session."""
+        alone = self.alone
+        if len(self._table) <= max_gamma or alone != self._table_alone \
+                or self.observed - self._table_at >= TABLE_REFRESH:
+            self._table = [self.round_ms(g) for g in range(max(max_gamma, MAX_GAMMA) + 1)]
+            self._table_at, self._table_alone = self.observed, alone
+        return self._table
 
 
 REFERENCE = None  # set below: the cost model a deterministic policy uses
@@ -334,7 +355,8 @@ class SessionPolicy:
         alpha = self.estimate = self.pooled_alpha(costs)
         if self.deterministic:
             costs = REFERENCE
-        best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / costs.round_ms(g))
+        table = costs.round_table(self.max_gamma)
+        best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / table[g])
         self.rounds += 1
         if best > 0 and not self.deterministic and costs.alone and self.rounds % EXPLORE_EVERY == 0:
             # a neighbour, above and below by turns, so that its cost gets measured

@@ -3,7 +3,7 @@ report, and the policy picks the γ that maximises expected tokens per milliseco
 import pytest
 
 from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, PREDRAFT_PROBE_EVERY,
-                                       PREDRAFT_USE_AFTER, CostModel, SessionPolicy,
+                                       PREDRAFT_USE_AFTER, TABLE_REFRESH, CostModel, SessionPolicy,
                                        expected_tokens, verify_slope)
 
 
@@ -56,6 +56,24 @@ def test_speculation_comes_back_once_the_load_is_gone():
         costs.observe_verify(0, 12.0, 1, 10.0)
     assert costs.alone
     assert _policy(0.8).choose(costs) >= 3
+
+
+def test_choices_read_round_times_at_most_a_few_calls_old():
+    """A choice reads a table of round times recomputed every TABLE_REFRESH observed calls
+    (pricing every γ on every choice cost 100 µs a round), and at once when the load
+    regime flips."""
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    first = list(costs.round_table(8))
+    assert first == [costs.round_ms(g) for g in range(9)]
+    costs.observe_verify(4, 40.0, 1, 30.0)  # a slow spell begins
+    assert costs.round_table(8) == first and costs.round_ms(4) > first[4]
+    for _ in range(TABLE_REFRESH - 1):
+        costs.observe_verify(4, 40.0, 1, 30.0)
+    assert costs.round_table(8)[4] == costs.round_ms(4) > first[4]
+    while costs.alone:  # sessions start sharing batches: the next choice prices the load
+        costs.observe_verify(4, 40.0, 16, 30.0, 80)
+    assert costs.round_table(8) == [costs.round_ms(g) for g in range(9)]
 
 
 def test_measured_times_per_gamma_replace_the_linear_model():
