@@ -10,6 +10,15 @@ The tokens so produced are distributed exactly as the target's own samples. Gree
 decoding (temperature 0) is the special case where p and q are one-hot: a draft token
 is accepted iff it is the target's argmax, and the recovered token is that argmax.
 
+That is the *token* rule. The default is the *block* rule (Sun et al., "Block Verification
+Accelerates Speculative Decoding", ICLR 2025), which decides the whole draft jointly and
+keeps the same exact output law while accepting at least as much in expectation: a weight
+w_0 = 1, w_i = min(1, w_{i−1} p_i(x_i) / q_i(x_i)) carries the ratio forward, so a draft
+token the target likes more than the draft did makes up for an earlier one it liked less;
+the kept prefix is the longest i whose stop test passes (`block_accepted`), and the next
+token comes from norm(max(0, w_i p_{i+1} − q_{i+1})). With γ = 1 the two rules coincide.
+tests/specdec/test_sampling.py checks the law of both by exact enumeration and by sampling.
+
 Every function is vectorised over the batch of sessions and the γ positions; the
 randomness comes in as explicit uniforms (see `uniforms`), so results depend only on
 (seed, position) and never on batching, device or which replica runs them.
@@ -26,6 +35,7 @@ _MASK64 = (1 << 64) - 1
 STREAM_BONUS, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESAMPLE = 0, 1, 2, 3
 VECTOR_FROM = 16  # uniforms_at hashes this many or more at once in numpy
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
+RULES = ("block", "token")  # how sampled drafts are verified; greedy is the same under both
 
 
 @dataclass(frozen=True)
@@ -268,12 +278,93 @@ def accepted_lengths(p_x: torch.Tensor, q_x: torch.Tensor, u_accept: torch.Tenso
     return ok.long().cumprod(-1).sum(-1)
 
 
-def next_tokens(p_n: torch.Tensor, q_n: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def block_weights(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """The block rule's weights: [B, γ] target and draft probabilities of the draft tokens
+    → [B, γ + 1] float64, w_0 = 1 and w_i = min(1, w_{i−1} p(x_i) / q(x_i)). Padding
+    (q = 0) gives 0. A loop over the γ positions, each step over the whole batch."""
+    ratio = torch.where(q_x > 0, p_x.double() / q_x.double().clamp(min=1e-300), 0.0)
+    w = torch.ones(ratio.shape[0], ratio.shape[1] + 1, dtype=torch.float64, device=ratio.device)
+    for i in range(ratio.shape[1]):
+        w[:, i + 1] = torch.clamp(w[:, i] * ratio[:, i], max=1.0)
+    return w
+
+
+def residual_mass(w: torch.Tensor, p_rows: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
+    """[R] weights and [R, V] rows of p and q → [R] Σ_x max(0, w p(x) − q(x)): the mass of
+    the block rule's residual after a prefix whose weight is w."""
+    out = p_rows.double() if p_rows.dtype != torch.float64 else p_rows.clone()
+    return out.mul_(w[:, None].to(out.device)).sub_(q_rows.to(out.device, torch.float64)).clamp_(min=0.0).sum(-1)
+
+
+def stop_probabilities(w: torch.Tensor, mass: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+    """The block rule's stop tests: [B, γ + 1] weights (`block_weights`), [B, γ + 1] residual
+    masses (column i: `residual_mass` after i tokens; columns 0 and γ_b unread) and [B] γ_b
+    → [B, γ] h, column i − 1 for prefix i: h_i = m_i / (m_i + 1 − w_i) for 1 ≤ i < γ_b (0
+    where both vanish: no residual to draw from), h_γ_b = w_γ_b, 0 beyond γ_b."""
+    G = w.shape[1] - 1
+    wi, mi = w[:, 1:].double(), mass[:, 1:].double().to(w.device)
+    denominator = mi + 1.0 - wi
+    h = torch.where(denominator > 0, mi / denominator.clamp(min=1e-300), 0.0)
+    prefix = torch.arange(1, G + 1, device=w.device)[None]
+    gammas = gammas.to(w.device)[:, None]
+    h = torch.where(prefix == gammas, wi, h)
+    return torch.where(prefix <= gammas, h, 0.0)
+
+
+def block_accepted(w: torch.Tensor, mass: torch.Tensor, eta: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+    """The acceptance half of the block rule: weights, residual masses and γ_b as
+    `stop_probabilities` takes them, and [B, γ] uniforms (column i − 1 for prefix i) →
+    [B] lengths of the kept prefixes: the longest prefix i whose test η_i < h_i passes, or
+    none. Not the first failure, as in the token rule: a later pass overrides it."""
+    G = eta.shape[1]
+    if G == 0:
+        return torch.zeros(w.shape[0], dtype=torch.long, device=w.device)
+    ok = eta.to(w.device, torch.float64) < stop_probabilities(w, mass, gammas)
+    return (ok.long() * torch.arange(1, G + 1, device=w.device)[None]).amax(-1)
+
+
+def block_weights_row(p_x: Sequence[float], q_x: Sequence[float]) -> list[float]:
+    """`block_weights` of one session in plain Python floats (the same operations in the
+    same order, so the same numbers): a verdict reads γ of them, where a tensor operator
+    costs more than the arithmetic (`greedy_verdicts` has the same reason)."""
+    w = [1.0]
+    for p, q in zip(p_x, q_x):
+        w.append(min(w[-1] * (p / q if q > 0 else 0.0), 1.0))
+    return w
+
+
+def block_keeps_all(w: Sequence[float], eta: Sequence[float]) -> bool:
+    """Whether the block rule keeps a session's whole draft of γ = len(eta) ≥ 1 tokens: the
+    longest prefix is tested first and needs no residual mass."""
+    return eta[-1] < w[len(eta)]
+
+
+def block_prefix_row(w: Sequence[float], masses: Sequence[float], eta: Sequence[float]) -> int:
+    """`block_accepted` of one session in plain Python: weights w_0..w_γ, residual masses
+    after the inner prefixes 1..γ−1 (`residual_mass`; unread when the whole draft is kept)
+    and uniforms η_1..η_γ → the kept prefix's length, longest first."""
+    gamma = len(eta)
+    if gamma == 0:
+        return 0
+    if block_keeps_all(w, eta):
+        return gamma
+    for i in range(gamma - 1, 0, -1):
+        m = masses[i - 1]
+        denominator = m + 1.0 - w[i]
+        if eta[i - 1] < (m / denominator if denominator > 0 else 0.0):
+            return i
+    return 0
+
+
+def next_tokens(p_n: torch.Tensor, q_n: torch.Tensor, u: torch.Tensor,
+                w_n: torch.Tensor | None = None) -> torch.Tensor:
     """The recovery half of `verify`: at each session's stopping position, [B, V] target
     probabilities p_n and the draft's q_n there (a zero row where every draft token was
     accepted: the bonus has no q to subtract), [B] uniforms → [B] tokens drawn from
-    norm(max(0, p − q)), which is p itself for the bonus."""
-    residual = (p_n - q_n).clamp_(min=0.0)
+    norm(max(0, p − q)), which is p itself for the bonus. Under the block rule the kept
+    prefix's weights w_n [B] scale p first: norm(max(0, w p − q))."""
+    residual = (p_n if w_n is None else p_n * w_n[:, None].to(p_n.device, p_n.dtype)) - q_n
+    residual = residual.clamp_(min=0.0)
     # p == q up to rounding leaves no residual mass: then p itself is the right law.
     empty = residual.sum(-1, keepdim=True) <= 0
     if bool(empty.any()):
@@ -289,31 +380,44 @@ def verify(
     u_resample: torch.Tensor,  # [B, γ+1] uniforms, one per position the new token may take
     gammas: torch.Tensor | None = None,  # [B] per-session γ_b ≤ γ (padding beyond it)
     bonus_noise: torch.Tensor | None = None,  # [B, V] exponential noise for the bonus (`bonus_noise`)
+    rule: str = "block",  # of RULES
 ) -> VerifyResult:
     """Speculative acceptance, recovery and bonus for a batch of sessions at once, on
     padded [B, γ(+1), V] tensors: the reference form. The target engine feeds the same
     halves (`accepted_lengths`, `next_tokens`, `race_argmax`) only the values they read,
     without padding. With `bonus_noise`, a session that accepted all of its γ_b ≥ 1 draft
     tokens draws its bonus from p by `race_argmax` instead of inverse-CDF (the same law;
-    it lets the draft guess it: `bonus_guess_rows`)."""
+    it lets the draft guess it: `bonus_guess_rows`). `rule`: "block" (the default) or
+    "token" (the module's docstring)."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     B, G = draft_tokens.shape
     assert q.shape[:2] == (B, G) and p.shape[:2] == (B, G + 1), (q.shape, p.shape)
     if gammas is None:
         gammas = torch.full((B,), G, dtype=torch.long, device=p.device)
+    rows = torch.arange(B, device=p.device)
+    w_n = None
     if G > 0:
         p_x = p[:, :G].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
         q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-        accepted = accepted_lengths(p_x, q_x, u_accept, gammas)
+        if rule == "block":
+            w = block_weights(p_x, q_x)
+            mass = torch.zeros(B, G + 1, dtype=torch.float64, device=p.device)
+            if G > 1:  # after prefixes 1 .. γ − 1: the rows of the next positions
+                mass[:, 1:G] = (p[:, 1:G].double() * w[:, 1:G, None] - q[:, 1:G].double()).clamp(min=0.0).sum(-1)
+            accepted = block_accepted(w, mass, u_accept, gammas)
+            w_n = torch.where(accepted < gammas, w[rows, accepted], 1.0)  # the bonus is p's own draw
+        else:
+            accepted = accepted_lengths(p_x, q_x, u_accept, gammas)
     else:
         accepted = torch.zeros(B, dtype=torch.long, device=p.device)
-    rows = torch.arange(B, device=p.device)
     p_n = p[rows, accepted]  # [B, V]
     if G > 0:
         rejected = (accepted < gammas).unsqueeze(-1)
         q_n = q[rows, accepted.clamp(max=G - 1)] * rejected  # bonus: no q to subtract
     else:
         q_n = torch.zeros_like(p_n)
-    next_token = next_tokens(p_n, q_n, u_resample.to(p.device)[rows, accepted])
+    next_token = next_tokens(p_n, q_n, u_resample.to(p.device)[rows, accepted], w_n)
     if bonus_noise is not None and G > 0:
         full = (accepted >= gammas) & (gammas > 0)
         if bool(full.any()):

@@ -45,8 +45,12 @@ class Verdict:
 
 
 class TargetEngine:
-    def __init__(self, runner: ModelRunner, max_sessions: int = 256, max_cache_bytes: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, max_sessions: int = 256, max_cache_bytes: int = 0,
+                 rule: str = "block") -> None:
+        if rule not in sampling.RULES:
+            raise ValueError(f"verification rule must be one of {sampling.RULES}, got {rule!r}")
         self.runner = runner
+        self.rule = rule  # how sampled drafts are verified (specdec.sampling); greedy is the same
         self.sessions = SessionTable(runner, max_sessions, max_cache_bytes)
         self.forward_passes = 0
         self.fed_tokens = 0
@@ -147,7 +151,10 @@ class TargetEngine:
             u_acc = torch.zeros(B, G, dtype=torch.float64)
             u_acc[batch_of, step] = sampling.uniforms_at([jobs[b].params.seed for b, _ in slots],
                                                          [firsts[b] + i for b, i in slots], sampling.STREAM_ACCEPT)
-            accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
+            if self.rule == "block":
+                accepted, kept_weight = self._block_stops(jobs, probs, starts, p_x, q_x, u_acc)
+            else:
+                accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
         stops = accepted.tolist()
         p_n = probs[torch.tensor([s + n for s, n in zip(starts, stops)], device=device)].double()  # [B, V]
         # a bonus after a fully accepted draft is drawn by the exponential race (sampling.verify's
@@ -167,11 +174,37 @@ class TargetEngine:
             q_n = torch.stack([jobs[b].q[stops[b]].to(device) if stops[b] < gammas[b] else zero for b in rest])
             u_n = sampling.uniforms_at([jobs[b].params.seed for b in rest], [firsts[b] + stops[b] for b in rest],
                                        sampling.STREAM_RESAMPLE)
-            draw(rest, lambda rows: sampling.next_tokens(rows, q_n, u_n))
+            w_n = None
+            if self.rule == "block" and G > 0:  # the kept prefix's weight scales p (a bonus: 1)
+                w_n = torch.tensor([kept_weight[b] if stops[b] < gammas[b] else 1.0 for b in rest],
+                                   dtype=torch.float64)
+            draw(rest, lambda rows: sampling.next_tokens(rows, q_n, u_n, w_n))
         if full:
             noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
             draw(full, lambda rows: sampling.race_argmax(rows, noise))
         return list(zip(stops, next_token))
+
+    @staticmethod
+    def _block_stops(jobs: list[VerifyJob], probs: torch.Tensor, starts: list[int], p_x: torch.Tensor,
+                     q_x: torch.Tensor, eta: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """The block rule for a batch (sampling.block_accepted, whose verdicts these are
+        exactly): weights and stop tests in plain Python per session, and one operator over
+        the rows whose residual mass a test needs — none for a session whose whole draft is
+        kept, which is tested first. → ([B] kept prefix lengths, each one's weight)."""
+        px, qx, us = p_x.tolist(), q_x.tolist(), eta.tolist()
+        gammas = [len(j.draft_tokens) for j in jobs]
+        weights = [sampling.block_weights_row(px[b][:g], qx[b][:g]) for b, g in enumerate(gammas)]
+        inner = [(b, i) for b, g in enumerate(gammas) if g > 1 and not sampling.block_keeps_all(weights[b], us[b][:g])
+                 for i in range(1, g)]
+        masses: dict[tuple[int, int], float] = {}
+        if inner:
+            rows = probs[torch.tensor([starts[b] + i for b, i in inner], device=probs.device)]
+            q_rows = torch.stack([jobs[b].q[i] for b, i in inner])
+            w = torch.tensor([weights[b][i] for b, i in inner], dtype=torch.float64)
+            masses = dict(zip(inner, sampling.residual_mass(w, rows, q_rows).tolist()))
+        stops = [sampling.block_prefix_row(weights[b], [masses.get((b, i), 0.0) for i in range(1, g)], us[b][:g])
+                 for b, g in enumerate(gammas)]
+        return torch.tensor(stops, dtype=torch.long), [weights[b][n] for b, n in enumerate(stops)]
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)

@@ -5,7 +5,8 @@ import argparse
 import asyncio
 
 from draft_service.server import params_from_pb, ref_from_pb
-from specdec.config import add_common_args, add_replica_args
+from specdec import sampling
+from specdec.config import add_common_args, add_replica_args, env
 from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
@@ -68,13 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Target pool replica: verifies whole drafts of many sessions in one forward pass.")
     add_common_args(ap, default_port=50071)
     add_replica_args(ap, "target", str(BUNDLED_TARGET))
+    ap.add_argument("--verification", choices=sampling.RULES, default=env("VERIFICATION", "block"),
+                    help="how sampled drafts are verified: block (jointly, Sun et al. 2025: at least as many "
+                         "tokens a round in expectation) or token (each draft token on its own, Leviathan et al. "
+                         "2023); both give exactly the target's law, greedy is the same under both; every target "
+                         "replica of a deployment should use the same, so that seeded requests reproduce "
+                         "[SPECDEC_VERIFICATION]")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     runner = build_runner(args)
-    engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
+    engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20, args.verification)
 
     async def run() -> None:
         host = ReplicaHost(args, engine, engine.verify, SERVICE)

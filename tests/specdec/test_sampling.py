@@ -1,5 +1,7 @@
 """The sampling core: greedy cases, seeded determinism, and statistical losslessness on
 synthetic distributions (chi-square at a fixed seed, so the verdict is reproducible)."""
+import itertools
+import math
 import random
 
 import pytest
@@ -83,7 +85,7 @@ def test_sample_from_never_picks_zero_mass():
     assert set(picks.tolist()) == {1, 3}
 
 
-def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, race_bonus=False):
+def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, race_bonus=False, rule="block"):
     """Run speculative rounds for `trials` independent sequences whose target and draft
     laws depend only on the position: p_table/q_table [P, V]. Returns [trials, needed].
     race_bonus: bonuses after fully accepted drafts by the exponential race, as the engine draws them."""
@@ -99,7 +101,7 @@ def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, race_bonu
         if race_bonus:
             noise = -torch.log(torch.rand(trials, p.shape[-1], generator=gen, dtype=torch.float64))
         res = verify(draft, q, p, torch.rand(trials, gamma, generator=gen, dtype=torch.float64),
-                     torch.rand(trials, gamma + 1, generator=gen, dtype=torch.float64), bonus_noise=noise)
+                     torch.rand(trials, gamma + 1, generator=gen, dtype=torch.float64), bonus_noise=noise, rule=rule)
         for j in range(gamma + 1):
             tok = torch.where(j < res.accepted, draft[:, min(j, gamma - 1)], res.next_token)
             valid = (j <= res.accepted) & (length + j < positions_needed)
@@ -120,12 +122,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rule", sampling.RULES)
 @pytest.mark.parametrize("bonus", ["inverse-cdf", "race"])
 @pytest.mark.parametrize("gamma", [1, 4, 8])
 @pytest.mark.parametrize("temperature,top_k,top_p,relation", CASES)
-def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, relation, bonus):
+def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, relation, bonus, rule):
     gen = torch.Generator().manual_seed(1000 * gamma + CASES.index((temperature, top_k, top_p, relation))
-                                        + 7 * (bonus == "race"))
+                                        + 7 * (bonus == "race") + 31 * (rule == "token"))
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     positions = 3
     p_logits = torch.randn(positions, V, generator=gen) * 1.5
@@ -137,7 +140,7 @@ def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, re
     if relation == "target_mass_where_draft_none":
         q = logits_to_probs(q_logits, SamplingParams(temperature=temperature, top_k=3)).double()
     trials = 40000
-    out = simulate(p, q, gamma, trials, gen, positions_needed=positions, race_bonus=bonus == "race")
+    out = simulate(p, q, gamma, trials, gen, positions_needed=positions, race_bonus=bonus == "race", rule=rule)
     for pos in range(positions):
         observed = torch.bincount(out[:, pos], minlength=V).double()
         support = p[pos] > 0
@@ -147,6 +150,150 @@ def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, re
         expected = p[pos][support] / p[pos][support].sum() * observed.sum()
         stat = chisquare(observed[support].numpy(), expected.numpy())
         assert stat.pvalue > 1e-3, f"position {pos}: chi-square p={stat.pvalue:.2e}"
+
+
+class ContextLaws:
+    """Target and draft laws that depend on the whole prefix (a table per prefix), some
+    of them equal, one-hot or with zeros where the other has mass: the cases where a
+    verification rule could go wrong."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab, self.rng, self.laws = vocab, random.Random(seed), {}
+
+    def _draw(self, zeros: bool) -> list[float]:
+        w = [self.rng.random() ** 2 for _ in range(self.vocab)]
+        if zeros and self.rng.random() < 0.3:
+            w[self.rng.randrange(self.vocab)] = 0.0
+        return [x / sum(w) for x in w]
+
+    def __call__(self, prefix: tuple) -> tuple[list[float], list[float]]:
+        if prefix not in self.laws:
+            kind, one = self.rng.random(), [0.0] * self.vocab
+            one[self.rng.randrange(self.vocab)] = 1.0
+            if kind < 0.25:
+                p = self._draw(True)
+                law = (p, list(p))
+            elif kind < 0.35:
+                law = (one, list(one))
+            elif kind < 0.45:
+                law = (one, self._draw(False))
+            else:
+                law = (self._draw(True), self._draw(False))
+            self.laws[prefix] = law
+        return self.laws[prefix]
+
+
+def _round_law(laws: ContextLaws, draft: tuple, rule: str) -> list[tuple[float, tuple]]:
+    """Exactly what one round of `rule` outputs after the draft tokens `draft` were drawn:
+    (probability, tokens) pairs, from the sampling module's own functions."""
+    G = len(draft)
+    p = torch.tensor([laws(draft[:i])[0] for i in range(G + 1)], dtype=torch.float64)
+    q = torch.tensor([laws(draft[:i])[1] for i in range(G)], dtype=torch.float64)
+    p_x, q_x = p[torch.arange(G), list(draft)], q[torch.arange(G), list(draft)]
+    gammas = torch.tensor([G])
+    if rule == "block":
+        w = sampling.block_weights(p_x[None], q_x[None])
+        mass = torch.zeros(1, G + 1, dtype=torch.float64)
+        mass[0, 1:G] = sampling.residual_mass(w[0, 1:G], p[1:G], q[1:G])
+        h = sampling.stop_probabilities(w, mass, gammas)[0].tolist()
+        stop = [1.0] + h  # P(prefix t kept) = h_t · Π_{j > t} (1 − h_j); the empty prefix: h_0 = 1
+        kept = [stop[t] * math.prod(1 - x for x in h[t:]) for t in range(G + 1)]
+        weights = w[0].tolist()
+    else:
+        a = [min(1.0, x) for x in (p_x / q_x).tolist()]
+        kept = [math.prod(a[:t]) * (1 - a[t] if t < G else 1.0) for t in range(G + 1)]
+        weights = [1.0] * (G + 1)
+    out = []
+    for t, chance in enumerate(kept):
+        if chance <= 0:
+            continue
+        law = p[t] if t == G else (weights[t] * p[t] - q[t]).clamp(min=0.0)
+        if float(law.sum()) <= 0:
+            law = p[t]
+        law = law / law.sum()
+        out += [(chance * float(law[y]), draft[:t] + (y,)) for y in range(len(law)) if law[y] > 0]
+    return out
+
+
+def _exact_output_law(laws: ContextLaws, gamma: int, rule: str) -> tuple[dict, float]:
+    """The law of the first γ + 1 tokens (one round, then the target's own samples) over
+    every possible draft, and the expected tokens a round."""
+    vocab, out, tokens = laws.vocab, {}, 0.0
+    for draft in itertools.product(range(vocab), repeat=gamma):
+        chance = 1.0
+        for i, x in enumerate(draft):
+            chance *= laws(draft[:i])[1][x]
+        if chance == 0:
+            continue
+        for pr, produced in _round_law(laws, draft, rule):
+            tokens += chance * pr * len(produced)
+            tails = {produced: 1.0}
+            while len(next(iter(tails))) < gamma + 1:
+                tails = {s + (y,): c * laws(s)[0][y] for s, c in tails.items() for y in range(vocab) if laws(s)[0][y] > 0}
+            for s, c in tails.items():
+                out[s] = out.get(s, 0.0) + chance * pr * c
+    return out, tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_both_rules_give_exactly_the_targets_law_and_block_at_least_the_tokens(seed):
+    """Exact, by enumeration of every draft of γ = 3 over 4 tokens with laws that depend on
+    the whole prefix: the first γ + 1 tokens out of one round (and the target after it) have
+    the target's joint law to rounding, under both rules; and the block rule yields at least
+    the token rule's expected tokens a round (Sun et al. 2025, theorem 2)."""
+    laws, gamma = ContextLaws(4, seed), 3
+    truth = {}
+    for s in itertools.product(range(4), repeat=gamma + 1):
+        c = 1.0
+        for i, y in enumerate(s):
+            c *= laws(s[:i])[0][y]
+        truth[s] = c
+    tokens = {}
+    for rule in sampling.RULES:
+        law, tokens[rule] = _exact_output_law(laws, gamma, rule)
+        assert max(abs(law.get(s, 0.0) - c) for s, c in truth.items()) < 1e-12, rule
+        assert abs(sum(law.values()) - 1.0) < 1e-12
+    assert tokens["block"] >= tokens["token"] - 1e-12
+
+
+def test_the_rules_coincide_for_one_draft_token_and_block_keeps_more_for_longer_drafts():
+    gen = torch.Generator().manual_seed(11)
+    B = 4000
+    for gamma in (1, 4):
+        p = torch.softmax(torch.randn(B, gamma + 1, V, generator=gen, dtype=torch.float64), -1)
+        q = torch.softmax(torch.randn(B, gamma, V, generator=gen, dtype=torch.float64), -1)
+        draft = torch.multinomial(q.reshape(-1, V), 1, generator=gen).view(B, gamma)
+        u_acc = torch.rand(B, gamma, generator=gen, dtype=torch.float64)
+        u_res = torch.rand(B, gamma + 1, generator=gen, dtype=torch.float64)
+        block, token = (verify(draft, q, p, u_acc, u_res, rule=r) for r in ("block", "token"))
+        if gamma == 1:
+            assert torch.equal(block.accepted, token.accepted) and torch.equal(block.next_token, token.next_token)
+        else:
+            assert float(block.accepted.double().mean()) > float(token.accepted.double().mean())
+    with pytest.raises(ValueError, match="rule"):
+        verify(draft, q, p, u_acc, u_res, rule="blocky")
+
+
+def test_the_plain_python_block_verdict_is_the_tensor_rule_exactly():
+    """The target engine decides a batch with block_weights_row / block_prefix_row (a
+    verdict reads γ numbers); they must give the tensor reference's prefixes exactly."""
+    gen = torch.Generator().manual_seed(12)
+    B, G = 3000, 5
+    p_x = torch.rand(B, G, generator=gen, dtype=torch.float64)
+    q_x = torch.rand(B, G, generator=gen, dtype=torch.float64) * 0.8 + 0.01
+    eta = torch.rand(B, G, generator=gen, dtype=torch.float64)
+    mass = torch.rand(B, G + 1, generator=gen, dtype=torch.float64) * 0.5
+    gammas = torch.randint(0, G + 1, (B,), generator=gen)
+    p_x[::7], q_x[::7] = 0.3, 0.3  # weights stuck at 1
+    mass[::11] = 0.0  # no residual mass: a prefix never stops there
+    w = sampling.block_weights(p_x, q_x)
+    reference = sampling.block_accepted(w, mass, eta, gammas).tolist()
+    for b in range(B):
+        g = int(gammas[b])
+        row_w = sampling.block_weights_row(p_x[b, :g].tolist(), q_x[b, :g].tolist())
+        assert row_w == w[b, : g + 1].tolist()
+        assert sampling.block_prefix_row(row_w, mass[b, 1:g].tolist(), eta[b, :g].tolist()) == reference[b], b
+    assert len(set(reference)) == G + 1  # every prefix length occurred
 
 
 def test_acceptance_rate_matches_sum_of_min():

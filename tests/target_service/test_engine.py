@@ -12,7 +12,7 @@ from specdec.sessions import CacheRef
 from target_service.engine import TargetEngine, VerifyJob
 
 
-def _alone(job: VerifyJob, rows: torch.Tensor) -> tuple[int, int]:
+def _alone(job: VerifyJob, rows: torch.Tensor, rule: str = "block") -> tuple[int, int]:
     g = len(job.draft_tokens)
     first = job.ref.start + len(job.ref.tokens)
     p = sampling.logits_to_probs(rows, job.params).double()[None]
@@ -20,12 +20,14 @@ def _alone(job: VerifyJob, rows: torch.Tensor) -> tuple[int, int]:
     res = sampling.verify(torch.tensor([job.draft_tokens], dtype=torch.long).view(1, g), q, p,
                           sampling.uniforms(job.params.seed, first, g, sampling.STREAM_ACCEPT)[None],
                           sampling.uniforms(job.params.seed, first, g + 1, sampling.STREAM_RESAMPLE)[None],
-                          bonus_noise=sampling.bonus_noise([job.params.seed], [first + g], rows.shape[-1]))
+                          bonus_noise=sampling.bonus_noise([job.params.seed], [first + g], rows.shape[-1]),
+                          rule=rule)
     return int(res.accepted[0]), int(res.next_token[0])
 
 
-def test_a_mixed_batch_decides_each_session_as_if_alone(target_model):
-    engine = TargetEngine(ModelRunner(target_model))
+@pytest.mark.parametrize("rule", sampling.RULES)
+def test_a_mixed_batch_decides_each_session_as_if_alone(target_model, rule):
+    engine = TargetEngine(ModelRunner(target_model), rule=rule)
     V = engine.runner.vocab_size
     g = torch.Generator().manual_seed(7)
     laws = [SamplingParams(0.0), SamplingParams(1.0, seed=3), SamplingParams(0.8, 20, 1.0, 4),
@@ -50,7 +52,7 @@ def test_a_mixed_batch_decides_each_session_as_if_alone(target_model):
         row = 0
         for job, verdict in zip(jobs, got):
             n = len(job.draft_tokens) + 1
-            assert verdict == _alone(job, logits[row : row + n]), (trial, job.params, len(job.draft_tokens))
+            assert verdict == _alone(job, logits[row : row + n], rule), (trial, job.params, len(job.draft_tokens))
             row += n
             deepest = max(deepest, verdict[0])
     assert deepest >= 2  # the test reached past the first draft token
