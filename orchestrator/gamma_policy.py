@@ -84,6 +84,10 @@ def verify_slope(batch_size: int) -> float:
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens a round under the token rule with a constant per-token acceptance α. Under the
+    target's default block rule (specdec/sampling.py) a round keeps more, and the more the
+    longer the draft (measured at t = 1: +6.7 % at γ = 4, +16.5 % at γ = 8), so with α
+    estimated from its rounds this understates long drafts a little: the choice errs short."""
     if alpha >= 1.0:
         return gamma + 1.0
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
