@@ -404,7 +404,8 @@ def verify(
             w = block_weights(p_x, q_x)
             mass = torch.zeros(B, G + 1, dtype=torch.float64, device=p.device)
             if G > 1:  # after prefixes 1 .. γ − 1: the rows of the next positions
-                mass[:, 1:G] = (p[:, 1:G].double() * w[:, 1:G, None] - q[:, 1:G].double()).clamp(min=0.0).sum(-1)
+                mass[:, 1:G] = residual_mass(w[:, 1:G].reshape(-1), p[:, 1:G].reshape(B * (G - 1), -1),
+                                             q[:, 1:G].reshape(B * (G - 1), -1)).view(B, G - 1)
             accepted = block_accepted(w, mass, u_accept, gammas)
             w_n = torch.where(accepted < gammas, w[rows, accepted], 1.0)  # the bonus is p's own draw
         else:
