@@ -152,7 +152,7 @@ class TargetEngine:
             u_acc[batch_of, step] = sampling.uniforms_at([jobs[b].params.seed for b, _ in slots],
                                                          [firsts[b] + i for b, i in slots], sampling.STREAM_ACCEPT)
             if self.rule == "block":
-                accepted, kept_weight = self._block_stops(jobs, probs, starts, p_x, q_x, u_acc)
+                accepted, kept_weight = self._block_stops(jobs, gammas, probs, starts, p_x, q_x, u_acc)
             else:
                 accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
         stops = accepted.tolist()
@@ -185,14 +185,13 @@ class TargetEngine:
         return list(zip(stops, next_token))
 
     @staticmethod
-    def _block_stops(jobs: list[VerifyJob], probs: torch.Tensor, starts: list[int], p_x: torch.Tensor,
-                     q_x: torch.Tensor, eta: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    def _block_stops(jobs: list[VerifyJob], gammas: list[int], probs: torch.Tensor, starts: list[int],
+                     p_x: torch.Tensor, q_x: torch.Tensor, eta: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         """The block rule for a batch (sampling.block_accepted, whose verdicts these are
         exactly): weights and stop tests in plain Python per session, and one operator over
         the rows whose residual mass a test needs — none for a session whose whole draft is
         kept, which is tested first. → ([B] kept prefix lengths, each one's weight)."""
         px, qx, us = p_x.tolist(), q_x.tolist(), eta.tolist()
-        gammas = [len(j.draft_tokens) for j in jobs]
         weights = [sampling.block_weights_row(px[b][:g], qx[b][:g]) for b, g in enumerate(gammas)]
         inner = [(b, i) for b, g in enumerate(gammas) if g > 1 and not sampling.block_keeps_all(weights[b], us[b][:g])
                  for i in range(1, g)]
