@@ -1,13 +1,20 @@
 """Adaptive speculation length.
 
-Per session, α is estimated online (a Beta-smoothed count of accepted draft tokens);
-per process, the cost of a draft step and of a verification are measured from the
-rounds themselves. γ maximises expected tokens per unit of time,
+Per session, the rate at which each draft position is kept is estimated online; per
+process, the cost of a draft step and of a verification are measured from the rounds
+themselves. γ maximises expected tokens per unit of time,
 
-    E(γ) / (D(γ) + V(γ)),  E(γ) = (1 − α^(γ+1)) / (1 − α),
+    E(γ) / (D(γ) + V(γ)),  E(γ) = 1 + Σ_{i ≤ γ} Π_{j ≤ i} c_j,
 
-with D(γ) the draft call's time and V(γ) the verify call's, both measured on the rounds
-themselves (prefill rounds excluded).
+with c_j the chance that position j is kept once position j − 1 is, D(γ) the draft call's
+time and V(γ) the verify call's, both measured on the rounds themselves (prefill rounds
+excluded). With one rate α at every position E(γ) = (1 − α^(γ+1)) / (1 − α), the model of
+the token rule; under the target's default block rule later positions are kept more
+often than one α says, which the per-position rates carry (`PositionRates`). Each
+sampled round teaches every position up to its γ at once: the target returns, per
+position, the rule's chance that a prefix that long is kept (`keep_chances`), unbiased for
+what drafting that many tokens keeps and less noisy than the one kept length the round
+yields.
 
 While the replicas serve one session per batch, D(γ) and V(γ) are simply the measured
 wall times of calls with that γ, once it has been run often enough. Elsewhere a linear
@@ -54,17 +61,21 @@ pair — a low draw tips the choice to γ = 0, where the estimate stops moving u
 next probe (measured: unseeded one-stream runs at t = 1 averaged γ 1.0–1.7, slower than
 a fixed γ = 4). So the estimate is shrunk towards the rate of all recent sessions of the
 same sampling kind (greedy or sampled) in this process, weighted as `POOL_WEIGHT` draft
-tokens: a session's own evidence still dominates once it has some.
+tokens: a session's own evidence still dominates once it has some. The kind's rates give
+the shape by position, the session's rounds the level: its rates are the kind's, scaled
+by what it kept against what the kind's rates predict for its own rounds.
 
 Reproducibility: which token a seeded sample yields depends on where round boundaries
 fall, so a request that fixes its seed at temperature > 0 gets a *deterministic* policy:
-its own α estimate (a function of its own tokens) against the fixed reference costs
-below instead of the measured, load-dependent ones. Its output law is the target's
+its own α estimate (from its kept lengths alone, a function of its own tokens; one rate
+at every position) against the fixed reference costs below instead of the measured,
+load-dependent ones. Its output law is the target's
 either way; this only makes the same seeded request give the same tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from orchestrator.forward_costs import ForwardCosts
 
@@ -148,6 +159,61 @@ class GammaTable:
         return iter(self.entries)
 
 
+def keep_chances(gamma: int, accepted: int, chances: Sequence[float] | None) -> list[float]:
+    """A round's chance, per draft position i = 1..γ, that a prefix of i tokens is kept: the
+    target's figures for a sampled draft (specdec.sampling.token_keep_chances_row, or the
+    block weights), unbiased for what drafting i tokens keeps and less noisy than the kept
+    length alone; else (greedy, where they are exact, or a replica that sends none) the
+    kept length as 1s and 0s."""
+    if chances is not None and len(chances) == gamma:
+        return [float(c) for c in chances]
+    return [1.0 if i < accepted else 0.0 for i in range(gamma)]
+
+
+def expected_by_gamma(rates: Sequence[float]) -> list[float]:
+    """Tokens a round for γ = 0 .. len(rates), with c_i the chance that position i is kept
+    once position i − 1 is: 1 + Σ_{i ≤ γ} Π_{j ≤ i} c_j. A constant rate α gives
+    `expected_tokens(α, γ)`."""
+    out, kept = [1.0], 1.0
+    for rate in rates:
+        kept *= rate
+        out.append(out[-1] + kept)
+    return out
+
+
+@dataclass
+class PositionRates:
+    """Decayed means, per draft position i, over the rounds that drafted it, of the chance
+    that prefix i is kept (`kept`) and that prefix i − 1 is (`reached`): their ratio is the
+    position's rate c_i. Under the token rule with a constant α every c_i is α; under the
+    block rule a long draft keeps more than that — its later positions' rates are higher
+    (measured at t = 1 on the bundled pair: expected tokens a round +6.7 % at γ = 4 and
+    +16.5 % at γ = 8 over the token rule on the same drafts) — so one α fitted to a
+    session's rounds mis-states other γs, and the choice erred short."""
+    kept: list[Ema] = field(default_factory=list)
+    reached: list[Ema] = field(default_factory=list)
+
+    def update(self, chances: Sequence[float]) -> None:
+        while len(self.kept) < len(chances):
+            self.kept.append(Ema(weight=0.02))
+            self.reached.append(Ema(weight=0.02))
+        previous = 1.0
+        for i, chance in enumerate(chances):
+            self.kept[i].update(chance)
+            self.reached[i].update(previous)
+            previous = chance
+
+    def rates(self, n: int) -> list[float]:
+        """c_1..c_n; a position with fewer than `POOL_AFTER` rounds takes its predecessor's
+        rate (the first, 0.75: the sessions' prior)."""
+        out, rate = [], 0.75
+        for i in range(n):
+            if i < len(self.kept) and self.kept[i].count >= POOL_AFTER and self.reached[i].value > 0:
+                rate = min(1.0, self.kept[i].value / self.reached[i].value)
+            out.append(rate)
+        return out
+
+
 @dataclass
 class CostModel:
     """Shared by all sessions of one orchestrator process."""
@@ -160,6 +226,7 @@ class CostModel:
     verify_by_gamma: GammaTable = field(default_factory=GammaTable)  # ms of a whole verify call, per γ
     pool_accepted: dict[bool, Ema] = field(default_factory=dict)  # per round, keyed by greedy
     pool_tried: dict[bool, Ema] = field(default_factory=dict)
+    pool_positions: dict[bool, "PositionRates"] = field(default_factory=dict)  # keyed by greedy
     forward: ForwardCosts = field(default_factory=ForwardCosts)  # the target forward's ms by its rows
     verify_wait: Ema = field(default_factory=Ema)  # ms of a verify call outside its batch's forward
     predraft_use: dict[bool, Ema] = field(default_factory=dict)  # under load: share of pre-drafts used, by greedy
@@ -169,11 +236,21 @@ class CostModel:
     _table_at: int = 0
     _table_alone: bool = True
 
-    def observe_acceptance(self, greedy: bool, gamma: int, accepted: int) -> None:
-        """One speculative round of some session: the process-wide α of its sampling kind."""
+    def observe_acceptance(self, greedy: bool, gamma: int, accepted: int,
+                           chances: Sequence[float] | None = None) -> None:
+        """One speculative round of some session: the process-wide α of its sampling kind,
+        and its rate at each draft position (`keep_chances`)."""
         if gamma > 0:
-            self.pool_accepted.setdefault(greedy, Ema(weight=0.02)).update(float(accepted))
-            self.pool_tried.setdefault(greedy, Ema(weight=0.02)).update(float(min(accepted + 1, gamma)))
+            chances = keep_chances(gamma, accepted, chances)
+            self.pool_accepted.setdefault(greedy, Ema(weight=0.02)).update(sum(chances))
+            self.pool_tried.setdefault(greedy, Ema(weight=0.02)).update(1.0 + sum(chances[:-1]))
+            self.pool_positions.setdefault(greedy, PositionRates()).update(chances)
+
+    def pool_rates(self, greedy: bool, n: int) -> list[float] | None:
+        """The kind's rates at draft positions 1..n (`PositionRates.rates`), or None until
+        it has enough rounds."""
+        positions = self.pool_positions.get(greedy)
+        return None if positions is None or self.pool_alpha(greedy) is None else positions.rates(n)
 
     def observe_predraft(self, greedy: bool, used: bool) -> None:
         """A pre-draft's fate, counted while sessions share the target's batches."""
@@ -304,6 +381,8 @@ class SessionPolicy:
     fixed: int | None = None  # num_speculative_tokens from the request
     accepted: float = 3.0  # Beta(3, 1) prior: optimistic until measured
     trials: float = 4.0
+    # per draft position, the decayed chance mass that reached it (Σ = trials; the prior's at 1)
+    reached: list[float] | None = None
     rounds_at_zero: int = 0
     rounds: int = 0
     max_gamma: int = MAX_GAMMA
@@ -311,15 +390,27 @@ class SessionPolicy:
     guessed: float = 2.0  # Beta(2, 1) prior of the pre-draft's bonus guess being right
     guesses: float = 3.0
     greedy: bool = False  # the sampling kind, whose process-wide α the estimate leans on
-    estimate: float | None = None  # the α of the last choice
+    estimate: list[float] | None = None  # the per-position rates of the last choice
 
-    def pooled_alpha(self, costs: "CostModel") -> float:
-        """The session's α shrunk towards its kind's process-wide α; a deterministic
-        (seeded) policy uses its own tokens only."""
-        pool = None if self.deterministic else costs.pool_alpha(self.greedy)
+    def __post_init__(self) -> None:
+        if self.reached is None:
+            self.reached = [self.trials]
+
+    def pooled_rates(self, costs: "CostModel") -> list[float]:
+        """The session's rate c_i at each draft position 1..max_gamma: its kind's
+        process-wide rates (`PositionRates`), which carry how the rule treats long drafts,
+        scaled by how this session's own rounds compare with what those rates predict for
+        them, shrunk towards 1 with `POOL_WEIGHT` draft tokens of weight. With rates equal
+        at every position that is the session's α shrunk towards the kind's α, as before
+        per-position rates. A deterministic (seeded) policy uses its own tokens only: one
+        rate, its α."""
+        pool = None if self.deterministic else costs.pool_rates(self.greedy, max(self.max_gamma, len(self.reached)))
         if pool is None:
-            return self.alpha
-        return min(0.99, (self.accepted + POOL_WEIGHT * pool) / (self.trials + POOL_WEIGHT))
+            return [self.alpha] * self.max_gamma
+        prior = POOL_WEIGHT * costs.pool_alpha(self.greedy)
+        predicted = sum(mass * rate for mass, rate in zip(self.reached, pool))
+        scale = (self.accepted + prior) / (predicted + prior) if predicted + prior > 0 else 1.0
+        return [min(0.99, scale * rate) for rate in pool[: self.max_gamma]]
 
     @property
     def alpha(self) -> float:
@@ -330,37 +421,53 @@ class SessionPolicy:
         return self.guessed / self.guesses
 
     def predraft_hit(self, gamma: int) -> float:
-        """The chance that a pre-draft of the next round gets used: all γ accepted (α^γ) and
-        the bonus token guessed right. Greedy guesses right about as often as it accepts
-        (both are the two argmaxes agreeing). At temperature 1 the guess and the target's
-        bonus are draws from q and p under the same noise (sampling.bonus_guess_rows),
-        which agree 0.67 of the time on the bundled pair, against 0.20 for independent
-        draws (Σ p·q); the rate still varies with the text, so it is learnt per session
-        from the fully accepted rounds, not assumed. A function of the session's own
-        tokens, so a seeded request stays reproducible."""
-        alpha = self.alpha if self.estimate is None else self.estimate
-        return alpha ** gamma * self.guess_rate
+        """The chance that a pre-draft of the next round gets used: all γ accepted (the
+        product of the rates up to γ) and the bonus token guessed right. Greedy guesses
+        right about as often as it accepts (both are the two argmaxes agreeing). At
+        temperature 1 the guess and the target's bonus are draws from q and p under the
+        same noise (sampling.bonus_guess_rows), which agree 0.67 of the time on the bundled
+        pair, against 0.20 for independent draws (Σ p·q); the rate still varies with the
+        text, so it is learnt per session from the fully accepted rounds, not assumed. A
+        function of the session's own tokens, so a seeded request stays reproducible."""
+        rates = [self.alpha] * gamma if self.estimate is None else self.estimate
+        hit = 1.0
+        for i in range(gamma):
+            hit *= rates[min(i, len(rates) - 1)] if rates else self.alpha
+        return hit * self.guess_rate
 
     def observe_guess(self, right: bool, decay: float = 0.9) -> None:
         """A fully accepted round whose pre-draft's first token was (not) the bonus."""
         self.guessed = decay * self.guessed + float(right)
         self.guesses = decay * self.guesses + 1.0
 
-    def observe(self, gamma: int, accepted: int, decay: float = 0.9) -> None:
+    def observe(self, gamma: int, accepted: int, chances: Sequence[float] | None = None,
+                decay: float = 0.9) -> None:
+        """A round of γ draft tokens kept `accepted`; `chances` the target's keep chances
+        (`keep_chances`): position i's chance is a success, and the chance of prefix i − 1
+        its trial. With the kept length as 1s and 0s that is the count it always was:
+        accepted tokens were successes, the first rejection (if any) one failure."""
         if gamma <= 0:
             return
-        # accepted tokens were Bernoulli successes; the first rejection (if any) one failure
-        self.accepted = decay * self.accepted + accepted
-        self.trials = decay * self.trials + min(accepted + 1, gamma)
+        chances = keep_chances(gamma, accepted, chances)
+        while len(self.reached) < gamma:
+            self.reached.append(0.0)
+        previous = 1.0
+        for i in range(len(self.reached)):
+            self.reached[i] = decay * self.reached[i] + (previous if i < gamma else 0.0)
+            if i < gamma:
+                previous = chances[i]
+        self.accepted = decay * self.accepted + sum(chances)
+        self.trials = decay * self.trials + 1.0 + sum(chances[:-1])
 
     def choose(self, costs: CostModel) -> int:
         if self.fixed is not None:
             return self.fixed
-        alpha = self.estimate = self.pooled_alpha(costs)
+        rates = self.estimate = self.pooled_rates(costs)
         if self.deterministic:
             costs = REFERENCE
         table = costs.round_table(self.max_gamma)
-        best = max(range(self.max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / table[g])
+        tokens = expected_by_gamma(rates)
+        best = max(range(self.max_gamma + 1), key=lambda g: tokens[g] / table[g])
         self.rounds += 1
         if best > 0 and not self.deterministic and costs.alone and self.rounds % EXPLORE_EVERY == 0:
             # a neighbour, above and below by turns, so that its cost gets measured

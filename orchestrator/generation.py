@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -411,13 +411,18 @@ class Generator:
         handle = gen.handle
         handle.committed.extend(new)
         handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
-        self._count_round(gen.stats, gen.policy, gamma, verdict.accepted)
+        self._count_round(gen.stats, gen.policy, gamma, verdict.accepted, verdict.keep_chances)
         return new, out_text, reason
 
-    def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int) -> None:
+    def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int,
+                     chances: Sequence[float] = ()) -> None:
+        """`chances`: the target's keep chances of a sampled draft (gamma_policy.keep_chances).
+        A seeded session's policy counts its kept length instead, a function of its own
+        tokens only, so that the same request yields the same rounds."""
+        chances = list(chances) or None
         stats.observe(gamma, accepted)
-        policy.observe(gamma, accepted)
-        self.costs.observe_acceptance(policy.greedy, gamma, accepted)
+        policy.observe(gamma, accepted, None if policy.deterministic else chances)
+        self.costs.observe_acceptance(policy.greedy, gamma, accepted, chances)
         metrics.ROUNDS.inc()
         metrics.GAMMA.observe(gamma)
         if gamma:

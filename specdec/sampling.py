@@ -333,6 +333,21 @@ def block_weights_row(p_x: Sequence[float], q_x: Sequence[float]) -> list[float]
     return w
 
 
+def token_keep_chances_row(p_x: Sequence[float], q_x: Sequence[float]) -> list[float]:
+    """The token rule's chance, given the draft, that its prefix of i = 1..γ tokens is kept:
+    Π_{j ≤ i} min(1, p(x_j) / q(x_j)). The block rule's weights (`block_weights_row`,
+    w_1..w_γ) play the same part: over the draft's law, E[w_i] is exactly the chance that
+    block verification keeps at least i tokens (tests/specdec/test_sampling.py), although
+    not given one draft. Either way a round tells, for every i ≤ γ, an unbiased figure of
+    what drafting i tokens keeps, with less noise than the one kept length it yields —
+    what the orchestrator's γ policy learns from (orchestrator/gamma_policy.py)."""
+    out, chance = [], 1.0
+    for p, q in zip(p_x, q_x):
+        chance *= min(1.0, p / q) if q > 0 else 0.0
+        out.append(chance)
+    return out
+
+
 def block_keeps_all(w: Sequence[float], eta: Sequence[float]) -> bool:
     """Whether the block rule keeps a session's whole draft of γ = len(eta) ≥ 1 tokens: the
     longest prefix is tested first and needs no residual mass."""

@@ -42,6 +42,9 @@ class Verdict:
     compute_ms: float = 0.0
     batch_size: int = 1
     batch_tokens: int = 0  # rows of the forward: what the orchestrator's cost curve is keyed by
+    # sampled drafts: per draft position i = 1..γ, the rule's chance that a prefix of i is kept
+    # (sampling.token_keep_chances_row, or the block weights); greedy: None (the kept length tells all)
+    keep_chances: list[float] | None = None
 
 
 class TargetEngine:
@@ -96,16 +99,17 @@ class TargetEngine:
             self.fed_tokens += rows
             verdicts = self._decide([jobs[i] for i in live], logits)
             ms = (time.perf_counter() - t0) * 1000
-            for i, item, (n, token) in zip(live, items, verdicts):
+            for i, item, (n, token, chances) in zip(live, items, verdicts):
                 committed = jobs[i].ref.start + len(jobs[i].ref.tokens)
                 item.cache.truncate(committed + n)  # keep the accepted prefix; next_token is pending
-                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows)
+                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows, chances)
         return results  # type: ignore[return-value]
 
-    def _decide(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
+    def _decide(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int, list[float] | None]]:
         """Acceptance for the batch: greedy sessions by argmax, the others by the full rule.
-        logits: the packed [Σ (γ_b + 1), V] rows of all jobs, in job order."""
-        out: list[tuple[int, int] | None] = [None] * len(jobs)
+        logits: the packed [Σ (γ_b + 1), V] rows of all jobs, in job order → per job (kept
+        length, next token, keep chances or None)."""
+        out: list[tuple[int, int, list[float] | None] | None] = [None] * len(jobs)
         ends = list(accumulate(len(j.draft_tokens) + 1 for j in jobs))
         spans = [range(e - len(j.draft_tokens) - 1, e) for e, j in zip(ends, jobs)]
         greedy = [b for b, j in enumerate(jobs) if j.params.greedy]
@@ -117,11 +121,12 @@ class TargetEngine:
                     out[b] = verdict
         return out  # type: ignore[return-value]
 
-    def _decide_greedy(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
+    def _decide_greedy(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int, None]]:
         """No distributions needed (sampling.verify_greedy): compare the draft with the argmaxes."""
-        return sampling.greedy_verdicts([j.draft_tokens for j in jobs], sampling.argmax_rows(logits).tolist())
+        verdicts = sampling.greedy_verdicts([j.draft_tokens for j in jobs], sampling.argmax_rows(logits).tolist())
+        return [(n, token, None) for n, token in verdicts]
 
-    def _decide_sampled(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int]]:
+    def _decide_sampled(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int, list[float]]]:
         """The full rule for a batch, on the packed rows: the target's laws in one set of
         operators per sampling law (sampling.probs_rows), then only what the rule reads —
         p and q at the draft tokens for acceptance, one row of each at every session's
@@ -137,6 +142,7 @@ class TargetEngine:
         params = [j.params for j in jobs for _ in range(len(j.draft_tokens) + 1)]
         probs = sampling.probs_rows(logits, params)  # [Σ (γ + 1), V] float32
         accepted = torch.zeros(B, dtype=torch.long)
+        chances: list[list[float]] = [[] for _ in jobs]
         if G > 0:
             slots = [(b, i) for b, g in enumerate(gammas) for i in range(g)]
             batch_of = torch.tensor([b for b, _ in slots])
@@ -152,9 +158,12 @@ class TargetEngine:
             u_acc[batch_of, step] = sampling.uniforms_at([jobs[b].params.seed for b, _ in slots],
                                                          [firsts[b] + i for b, i in slots], sampling.STREAM_ACCEPT)
             if self.rule == "block":
-                accepted, kept_weight = self._block_stops(jobs, gammas, probs, starts, p_x, q_x, u_acc)
+                accepted, weights = self._block_stops(jobs, gammas, probs, starts, p_x, q_x, u_acc)
+                chances = [w[1:] for w in weights]
             else:
                 accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
+                px, qx = p_x.tolist(), q_x.tolist()
+                chances = [sampling.token_keep_chances_row(px[b][:g], qx[b][:g]) for b, g in enumerate(gammas)]
         stops = accepted.tolist()
         p_n = probs[torch.tensor([s + n for s, n in zip(starts, stops)], device=device)].double()  # [B, V]
         # a bonus after a fully accepted draft is drawn by the exponential race (sampling.verify's
@@ -176,13 +185,13 @@ class TargetEngine:
                                        sampling.STREAM_RESAMPLE)
             w_n = None
             if self.rule == "block" and G > 0:  # the kept prefix's weight scales p (a bonus: 1)
-                w_n = torch.tensor([kept_weight[b] if stops[b] < gammas[b] else 1.0 for b in rest],
+                w_n = torch.tensor([weights[b][stops[b]] if stops[b] < gammas[b] else 1.0 for b in rest],
                                    dtype=torch.float64)
             draw(rest, lambda rows: sampling.next_tokens(rows, q_n, u_n, w_n))
         if full:
             noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
             draw(full, lambda rows: sampling.race_argmax(rows, noise))
-        return list(zip(stops, next_token))
+        return list(zip(stops, next_token, chances))
 
     @staticmethod
     def _block_stops(jobs: list[VerifyJob], gammas: list[int], probs: torch.Tensor, starts: list[int],
@@ -190,7 +199,7 @@ class TargetEngine:
         """The block rule for a batch (sampling.block_accepted, whose verdicts these are
         exactly): weights and stop tests in plain Python per session, and one operator over
         the rows whose residual mass a test needs — none for a session whose whole draft is
-        kept, which is tested first. → ([B] kept prefix lengths, each one's weight)."""
+        kept, which is tested first. → ([B] kept prefix lengths, each session's weights w_0..w_γ)."""
         px, qx, us = p_x.tolist(), q_x.tolist(), eta.tolist()
         weights = [sampling.block_weights_row(px[b][:g], qx[b][:g]) for b, g in enumerate(gammas)]
         inner = [(b, i) for b, g in enumerate(gammas) if g > 1 and not sampling.block_keeps_all(weights[b], us[b][:g])
@@ -203,7 +212,7 @@ class TargetEngine:
             masses = dict(zip(inner, sampling.residual_mass(w, rows, q_rows).tolist()))
         stops = [sampling.block_prefix_row(weights[b], [masses.get((b, i), 0.0) for i in range(1, g)], us[b][:g])
                  for b, g in enumerate(gammas)]
-        return torch.tensor(stops, dtype=torch.long), [weights[b][n] for b, n in enumerate(stops)]
+        return torch.tensor(stops, dtype=torch.long), weights
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)

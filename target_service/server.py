@@ -48,7 +48,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         return replica_pb2.VerifyResponse(
             accepted=result.accepted, next_token=result.next_token, cache_length=result.cache_length,
             compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced,
-            batch_tokens=result.batch_tokens)
+            batch_tokens=result.batch_tokens, keep_chances=result.keep_chances or ())
 
     async def Verify(self, request, context):
         return await self.host.answer(self.verify, request, context)

@@ -1,10 +1,14 @@
 """Adaptive γ: the cost model recovers per-call and per-token costs from what the rounds
 report, and the policy picks the γ that maximises expected tokens per millisecond."""
+import itertools
+import operator
+
 import pytest
 
 from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, PREDRAFT_PROBE_EVERY,
-                                       PREDRAFT_USE_AFTER, TABLE_REFRESH, CostModel, SessionPolicy,
-                                       expected_tokens, verify_slope)
+                                       PREDRAFT_USE_AFTER, TABLE_REFRESH, CostModel, PositionRates,
+                                       SessionPolicy, expected_by_gamma, expected_tokens, keep_chances,
+                                       verify_slope)
 
 
 def _observe(costs: CostModel, gammas, net: float, draft_step: float, target_step: float, batch: int):
@@ -177,17 +181,62 @@ def test_a_session_leans_on_the_process_wide_alpha_of_its_kind():
     a seeded (deterministic) session uses its own tokens only."""
     costs = CostModel()
     _observe(costs, [3] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
-    for _ in range(100):  # other sampled sessions: 3 of 4 drafted tokens accepted, α = 0.75
-        costs.observe_acceptance(False, 4, 3)
+    for _ in range(100):  # other sampled sessions: each position kept at a rate of 0.75
+        costs.observe_acceptance(False, 4, 3, [0.75 ** i for i in range(1, 5)])
         costs.observe_acceptance(True, 4, 0)  # greedy sessions do badly: a separate pool
     assert abs(costs.pool_alpha(False) - 0.75) < 1e-9 and costs.pool_alpha(True) == 0.0
     unlucky = SessionPolicy(accepted=0.0, trials=3.0)
     alone = max(range(9), key=lambda g: expected_tokens(unlucky.alpha, g) / costs.round_ms(g))
     assert alone == 0 and unlucky.choose(costs) >= 2
-    assert unlucky.estimate == 8.0 * 0.75 / (3.0 + 8.0)
+    assert unlucky.estimate == pytest.approx([8.0 * 0.75 / (3.0 + 8.0)] * 8)
     seeded = SessionPolicy(accepted=0.0, trials=3.0, deterministic=True)
-    assert seeded.choose(costs) == 0 and seeded.estimate == 0.0
+    assert seeded.choose(costs) == 0 and seeded.estimate == [0.0] * 8
     assert CostModel().pool_alpha(False) is None  # no rounds yet: the session's own estimate
+
+
+def test_kept_lengths_count_as_before_and_chances_refine_them():
+    """With no chances (greedy) a round counts as it always did: accepted tokens are
+    successes and the first rejection one failure; the chances of a sampled round give the
+    same sums in expectation, position by position."""
+    counted, legacy = SessionPolicy(), [3.0, 4.0]
+    for gamma, accepted in [(4, 2), (4, 4), (2, 0), (6, 5)]:
+        counted.observe(gamma, accepted)
+        legacy = [0.9 * legacy[0] + accepted, 0.9 * legacy[1] + min(accepted + 1, gamma)]
+    assert counted.accepted == pytest.approx(legacy[0]) and counted.trials == pytest.approx(legacy[1])
+    assert sum(counted.reached) == pytest.approx(counted.trials)
+    assert keep_chances(3, 1, None) == [1.0, 0.0, 0.0] and keep_chances(2, 0, [0.5, 0.25]) == [0.5, 0.25]
+    assert expected_by_gamma([0.7] * 5) == pytest.approx([expected_tokens(0.7, g) for g in range(6)])
+
+
+def test_position_rates_follow_each_position_and_carry_the_last_one_on():
+    rates = PositionRates()
+    for _ in range(30):  # a block-rule shape: later positions kept more often once reached
+        rates.update([0.6, 0.6 * 0.7, 0.6 * 0.7 * 0.8])
+    assert rates.rates(5) == pytest.approx([0.6, 0.7, 0.8, 0.8, 0.8])
+    assert PositionRates().rates(2) == [0.75, 0.75]  # nothing yet: the sessions' prior
+
+
+def test_a_long_draft_that_keeps_more_than_one_alpha_predicts_is_chosen():
+    """Where later positions are kept more often (the block rule), the kind's per-position
+    rates price long drafts by what they keep. One α fitted to a session's short rounds
+    understates them and chooses shorter: the old policy, which this must beat. The choice
+    is the argmax of the rates' expected tokens per millisecond."""
+    shape = [0.62, 0.72, 0.8, 0.85, 0.88, 0.9, 0.9, 0.9]
+    chances = list(itertools.accumulate(shape, operator.mul))
+    shaped, single = SessionPolicy(), SessionPolicy()
+    for _ in range(30):  # the session's own rounds drafted 3
+        shaped.observe(3, 0, chances[:3])
+        single.observe(3, 0, chances[:3])
+    costs, flat = CostModel(), CostModel()
+    for model, pool in ((costs, chances), (flat, [single.alpha ** i for i in range(1, 9)])):
+        _observe(model, [4] * 50, net=3.0, draft_step=1.5, target_step=10.0, batch=1)
+        for _ in range(60):  # the kind's rounds, longer drafts among them
+            model.observe_acceptance(False, 8, 0, pool)
+    g_shaped = shaped.choose(costs)
+    tokens = expected_by_gamma(shaped.estimate)
+    assert g_shaped == max(range(9), key=lambda g: tokens[g] / costs.round_ms(g))
+    assert shaped.estimate == pytest.approx(shape, rel=0.03)
+    assert g_shaped > single.choose(flat) >= 1
 
 
 def test_pre_drafting_stops_where_the_bonus_guess_is_seldom_right():

@@ -256,6 +256,34 @@ def test_both_rules_give_exactly_the_targets_law_and_block_at_least_the_tokens(s
     assert tokens["block"] >= tokens["token"] - 1e-12
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_keep_chances_are_unbiased_for_the_kept_length_of_every_shorter_draft(seed):
+    """Exact, by enumeration (γ = 3 over 4 tokens): over the draft's law, the mean keep
+    chance at position i (the block weights w_i; the token rule's Π min(1, p/q)) is the
+    chance that the rule keeps at least i tokens — what the γ policy learns from each round
+    for every prefix length at once. Under the token rule it holds given each draft too."""
+    laws, gamma = ContextLaws(4, seed), 3
+    for rule in sampling.RULES:
+        at_least, mean_chance = [0.0] * (gamma + 1), [0.0] * (gamma + 1)
+        for draft in itertools.product(range(4), repeat=gamma):
+            chance = math.prod(laws(draft[:i])[1][x] for i, x in enumerate(draft))
+            if chance == 0:
+                continue
+            p_x = [laws(draft[:i])[0][x] for i, x in enumerate(draft)]
+            q_x = [laws(draft[:i])[1][x] for i, x in enumerate(draft)]
+            chances = (sampling.block_weights_row(p_x, q_x)[1:] if rule == "block"
+                       else sampling.token_keep_chances_row(p_x, q_x))
+            kept = [0.0] * (gamma + 1)
+            for pr, produced in _round_law(laws, draft, rule):
+                kept[len(produced) - 1] += pr
+            for i in range(1, gamma + 1):
+                at_least[i] += chance * sum(kept[i:])
+                mean_chance[i] += chance * chances[i - 1]
+                if rule == "token":
+                    assert abs(sum(kept[i:]) - chances[i - 1]) < 1e-12
+        assert max(abs(a - b) for a, b in zip(at_least, mean_chance)) < 1e-12, (rule, at_least, mean_chance)
+
+
 def test_the_rules_coincide_for_one_draft_token_and_block_keeps_more_for_longer_drafts():
     gen = torch.Generator().manual_seed(11)
     B = 4000

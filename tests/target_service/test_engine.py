@@ -12,7 +12,9 @@ from specdec.sessions import CacheRef
 from target_service.engine import TargetEngine, VerifyJob
 
 
-def _alone(job: VerifyJob, rows: torch.Tensor, rule: str = "block") -> tuple[int, int]:
+def _alone(job: VerifyJob, rows: torch.Tensor, rule: str = "block") -> tuple[int, int, list[float] | None]:
+    """The session's verdict by the tensor reference, and its keep chances: the block
+    weights w_1..w_γ, or the token rule's running products of min(1, p/q)."""
     g = len(job.draft_tokens)
     first = job.ref.start + len(job.ref.tokens)
     p = sampling.logits_to_probs(rows, job.params).double()[None]
@@ -22,7 +24,15 @@ def _alone(job: VerifyJob, rows: torch.Tensor, rule: str = "block") -> tuple[int
                           sampling.uniforms(job.params.seed, first, g + 1, sampling.STREAM_RESAMPLE)[None],
                           bonus_noise=sampling.bonus_noise([job.params.seed], [first + g], rows.shape[-1]),
                           rule=rule)
-    return int(res.accepted[0]), int(res.next_token[0])
+    if job.params.greedy:
+        return int(res.accepted[0]), int(res.next_token[0]), None
+    at = torch.arange(g), torch.tensor(job.draft_tokens, dtype=torch.long)
+    p_x, q_x = p[0][at][None], q[0][at][None]
+    if rule == "block":
+        chances = sampling.block_weights(p_x, q_x)[0, 1:]
+    else:
+        chances = (p_x / q_x).clamp(max=1.0).cumprod(-1)[0]
+    return int(res.accepted[0]), int(res.next_token[0]), chances.tolist()
 
 
 @pytest.mark.parametrize("rule", sampling.RULES)
@@ -52,7 +62,12 @@ def test_a_mixed_batch_decides_each_session_as_if_alone(target_model, rule):
         row = 0
         for job, verdict in zip(jobs, got):
             n = len(job.draft_tokens) + 1
-            assert verdict == _alone(job, logits[row : row + n], rule), (trial, job.params, len(job.draft_tokens))
+            want = _alone(job, logits[row : row + n], rule)
+            assert verdict[:2] == want[:2], (trial, job.params, len(job.draft_tokens))
+            if want[2] is None:
+                assert verdict[2] is None
+            else:
+                assert verdict[2] == pytest.approx(want[2], rel=1e-9, abs=1e-12)
             row += n
             deepest = max(deepest, verdict[0])
     assert deepest >= 2  # the test reached past the first draft token

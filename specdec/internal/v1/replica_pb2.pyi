@@ -89,7 +89,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens")
+    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESYNCED_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHANCES_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cache_length: int
@@ -104,7 +105,8 @@ class VerifyResponse(_message.Message):
     batch_size: int
     resynced: bool
     batch_tokens: int
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    keep_chances: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
