@@ -15,10 +15,11 @@ bytes at another γ are estimated as fixed + γ · per-token (`WireModel`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.internal.v1 import replica_pb2
 from draft_service.server import distributions_pb
+from target_service.server import verdict_to_pb
 
 
 def _params_pb(p) -> replica_pb2.SamplingParams:
@@ -34,7 +35,7 @@ def _ref_pb(ref) -> replica_pb2.CacheRef:
 class RoundBytes:
     gamma: int
     total: int  # all four messages of the round
-    per_gamma: int  # the γ-dependent part: draft ids (×2) and distributions (×2)
+    per_gamma: int  # the γ-dependent part: draft ids (×2), distributions (×2), keep chances
     verify_fixed: int  # VerifyRequest without draft + VerifyResponse: a γ = 0 round
 
 
@@ -78,15 +79,15 @@ class MeteredTarget:
             return results
         propose_bytes, ids, dists = self.log._pending if job.draft_tokens else (0, [], None)
         self.log._pending = None
-        resp = replica_pb2.VerifyResponse(accepted=res.accepted, next_token=res.next_token, cache_length=res.cache_length,
-                                          compute_ms=res.compute_ms, batch_size=res.batch_size, resynced=res.resynced)
+        resp = verdict_to_pb(res)
+        chances = resp.ByteSize() - verdict_to_pb(replace(res, keep_chances=None)).ByteSize()
         bare = replica_pb2.VerifyRequest(cache=_ref_pb(job.ref), sampling=_params_pb(job.params))
         full = replica_pb2.VerifyRequest(cache=_ref_pb(job.ref), sampling=_params_pb(job.params),
                                          draft_tokens=ids, distributions=dists)
         gamma = len(job.draft_tokens)
-        per_gamma = 2 * (full.ByteSize() - bare.ByteSize())  # ids + distributions, both hops
+        per_gamma = 2 * (full.ByteSize() - bare.ByteSize()) + chances  # ids + distributions, both hops; keep chances
         self.log.rounds.append(RoundBytes(gamma, propose_bytes + full.ByteSize() + resp.ByteSize(), per_gamma,
-                                          bare.ByteSize() + resp.ByteSize()))
+                                          bare.ByteSize() + resp.ByteSize() - chances))
         return results
 
     def release(self, session_id: str) -> bool:

@@ -13,7 +13,7 @@ from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
 from specdec.wire import WireFormatError, decode
 from specdec.wire_pb import from_pb
-from target_service.engine import TargetEngine, VerifyJob
+from target_service.engine import TargetEngine, Verdict, VerifyJob
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
@@ -32,6 +32,14 @@ def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab:
         raise InvalidRequest(str(exc)) from exc
 
 
+def verdict_to_pb(verdict: Verdict) -> replica_pb2.VerifyResponse:
+    """A verdict as it travels (benchmarks/wire_meter.py counts the same message)."""
+    return replica_pb2.VerifyResponse(
+        accepted=verdict.accepted, next_token=verdict.next_token, cache_length=verdict.cache_length,
+        compute_ms=verdict.compute_ms, batch_size=verdict.batch_size, resynced=verdict.resynced,
+        batch_tokens=verdict.batch_tokens, keep_chances=verdict.keep_chances or ())
+
+
 class TargetServicer(replica_pb2_grpc.TargetServicer):
     def __init__(self, host: ReplicaHost) -> None:
         self.host = host
@@ -45,10 +53,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result
-        return replica_pb2.VerifyResponse(
-            accepted=result.accepted, next_token=result.next_token, cache_length=result.cache_length,
-            compute_ms=result.compute_ms, batch_size=result.batch_size, resynced=result.resynced,
-            batch_tokens=result.batch_tokens, keep_chances=result.keep_chances or ())
+        return verdict_to_pb(result)
 
     async def Verify(self, request, context):
         return await self.host.answer(self.verify, request, context)

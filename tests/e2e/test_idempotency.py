@@ -72,6 +72,7 @@ def test_a_duplicated_verify_is_refused_and_does_not_advance_the_cache(pair):
     verdict = target.Verify(round_, timeout=30)
     assert verdict.cache_length == n + 1 + verdict.accepted  # the cache did not move in between
     assert verdict.batch_tokens == 1 + len(prop.draft_tokens)  # the pending token and the draft
+    assert not verdict.keep_chances  # greedy: the kept length tells the policy everything
     err = refused(target.Verify, round_)  # the same round again
     assert "duplicated" in err.details()
     assert load_report(target_address, "target").forward_passes == after.forward_passes + 1
@@ -120,3 +121,19 @@ def test_a_retried_propose_returns_the_same_draft(pair):
     assert "stale" in refused(draft.Propose, rpb.ProposeRequest(cache=ref(sid, 0, n, [1]), num_tokens=2,
                                                                 sampling=sampled)).details()
     refused(draft.Propose, rpb.ProposeRequest(cache=ref(sid, 1, n + 50, [1]), num_tokens=2, sampling=sampled))
+
+
+def test_a_sampled_verdict_carries_a_keep_chance_per_draft_position(pair):
+    """What the orchestrator's γ policy learns from (orchestrator/gamma_policy.py): for each
+    of the γ positions, the rule's chance that a prefix that long is kept."""
+    draft, target, _, _, sid, prompt = pair
+    sampled = rpb.SamplingParams(temperature=1.0, top_p=1.0, seed=11)
+    first = target.Verify(rpb.VerifyRequest(cache=ref(sid, 1, 0, prompt), sampling=sampled), timeout=30)
+    n = len(prompt)
+    prop = draft.Propose(rpb.ProposeRequest(cache=ref(sid, 1, 0, prompt + [first.next_token]), num_tokens=4,
+                                            sampling=sampled), timeout=30)
+    verdict = target.Verify(rpb.VerifyRequest(cache=ref(sid, 1, n, [first.next_token]), draft_tokens=prop.draft_tokens,
+                                              distributions=prop.distributions, sampling=sampled), timeout=30)
+    chances = list(verdict.keep_chances)
+    assert len(chances) == len(prop.draft_tokens) == 4 and all(0.0 <= c <= 1.0 for c in chances)
+    assert not first.keep_chances  # no draft, nothing to keep
