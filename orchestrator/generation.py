@@ -181,7 +181,7 @@ class Generator:
                 self.costs.observe_draft(len(resp.draft_tokens), ms, resp.compute_ms, resp.batch_size)
             if len(resp.draft_tokens) < gamma:
                 metrics.DRAFT_STOPS.inc()
-            metrics.STAGE_SECONDS.labels("draft").observe(ms / 1000)
+            metrics.DRAFT_STAGE.observe(ms / 1000)
             return resp
         return None
 
@@ -208,7 +208,7 @@ class Generator:
             if len(ref.tokens) <= 2 and not resp.resynced:
                 self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size, resp.compute_ms,
                                          resp.batch_tokens)
-            metrics.STAGE_SECONDS.labels("verify").observe(ms / 1000)
+            metrics.VERIFY_STAGE.observe(ms / 1000)
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
                           f"after {MAX_ATTEMPTS} attempts")
@@ -430,9 +430,9 @@ class Generator:
             metrics.ACCEPTED.inc(accepted)
             metrics.ACCEPTED_LENGTH.observe(accepted)
             for i in range(gamma):
-                metrics.DRAFTED_AT_POSITION.labels(str(i)).inc()
+                metrics.at_position(metrics.DRAFTED_AT_POSITION, i).inc()
                 if i < accepted:
-                    metrics.ACCEPT_AT_POSITION.labels(str(i)).inc()
+                    metrics.at_position(metrics.ACCEPT_AT_POSITION, i).inc()
 
     @staticmethod
     async def _commit_emit(commit: Awaitable[None], emit: Emit, text: str, new: list[int], stats: Stats) -> None:

@@ -32,8 +32,22 @@ ACCEPT_AT_POSITION = Counter("specdec_accepted_at_position_total",
                              "Rounds whose draft token at this position was accepted", ["position"])
 DRAFTED_AT_POSITION = Counter("specdec_drafted_at_position_total",
                               "Rounds that drafted a token at this position", ["position"])
+_POSITION_CHILDREN: dict[tuple[int, int], object] = {}
+
+
+def at_position(counter: Counter, position: int):
+    """`counter.labels(str(position))`, looked up once: a round counts γ positions or more,
+    and `labels()` (string keys, validation, a lock) costs several times the increment."""
+    key = (id(counter), position)
+    child = _POSITION_CHILDREN.get(key)
+    if child is None:
+        child = _POSITION_CHILDREN[key] = counter.labels(str(position))
+    return child
+
+
 GAMMA = Histogram("specdec_gamma", "Speculation length chosen per round", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
 STAGE_SECONDS = Histogram("specdec_stage_seconds", "Time per round stage", ["stage"], buckets=LATENCY_BUCKETS)
+DRAFT_STAGE, VERIFY_STAGE = STAGE_SECONDS.labels("draft"), STAGE_SECONDS.labels("verify")  # observed every round
 ACTIVE_SESSIONS = Gauge("specdec_active_generations", "Generations in flight")
 OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hits", ["outcome"])
 DRAFT_STOPS = Counter("specdec_draft_stops_total",
