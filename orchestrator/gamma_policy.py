@@ -74,6 +74,7 @@ either way; this only makes the same seeded request give the same tokens.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -92,16 +93,6 @@ VERIFY_TOKEN_SLOPE_PER_SESSION = 0.007
 
 def verify_slope(batch_size: int) -> float:
     return VERIFY_TOKEN_SLOPE + VERIFY_TOKEN_SLOPE_PER_SESSION * max(0, batch_size - 1)
-
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens a round under the token rule with a constant per-token acceptance α. Under the
-    target's default block rule (specdec/sampling.py) a round keeps more, and the more the
-    longer the draft (measured at t = 1: +6.7 % at γ = 4, +16.5 % at γ = 8), so with α
-    estimated from its rounds this understates long drafts a little: the choice errs short."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 EXPLORE_EVERY = 8  # every 8th adaptive round of a session tries a neighbour of its best γ
@@ -170,10 +161,15 @@ def keep_chances(gamma: int, accepted: int, chances: Sequence[float] | None) -> 
     return [1.0 if i < accepted else 0.0 for i in range(gamma)]
 
 
+def reached_chances(chances: Sequence[float]) -> list[float]:
+    """The chance that each position 1..γ is reached (prefix i − 1 kept): its trial."""
+    return [1.0, *chances[:-1]]
+
+
 def expected_by_gamma(rates: Sequence[float]) -> list[float]:
     """Tokens a round for γ = 0 .. len(rates), with c_i the chance that position i is kept
     once position i − 1 is: 1 + Σ_{i ≤ γ} Π_{j ≤ i} c_j. A constant rate α gives
-    `expected_tokens(α, γ)`."""
+    (1 − α^(γ+1)) / (1 − α)."""
     out, kept = [1.0], 1.0
     for rate in rates:
         kept *= rate
@@ -197,11 +193,9 @@ class PositionRates:
         while len(self.kept) < len(chances):
             self.kept.append(Ema(weight=0.02))
             self.reached.append(Ema(weight=0.02))
-        previous = 1.0
-        for i, chance in enumerate(chances):
+        for i, (chance, reached) in enumerate(zip(chances, reached_chances(chances))):
             self.kept[i].update(chance)
-            self.reached[i].update(previous)
-            previous = chance
+            self.reached[i].update(reached)
 
     def rates(self, n: int) -> list[float]:
         """c_1..c_n; a position with fewer than `POOL_AFTER` rounds takes its predecessor's
@@ -243,7 +237,7 @@ class CostModel:
         if gamma > 0:
             chances = keep_chances(gamma, accepted, chances)
             self.pool_accepted.setdefault(greedy, Ema(weight=0.02)).update(sum(chances))
-            self.pool_tried.setdefault(greedy, Ema(weight=0.02)).update(1.0 + sum(chances[:-1]))
+            self.pool_tried.setdefault(greedy, Ema(weight=0.02)).update(sum(reached_chances(chances)))
             self.pool_positions.setdefault(greedy, PositionRates()).update(chances)
 
     def pool_rates(self, greedy: bool, n: int) -> list[float] | None:
@@ -429,11 +423,8 @@ class SessionPolicy:
         pair, against 0.20 for independent draws (Σ p·q); the rate still varies with the
         text, so it is learnt per session from the fully accepted rounds, not assumed. A
         function of the session's own tokens, so a seeded request stays reproducible."""
-        rates = [self.alpha] * gamma if self.estimate is None else self.estimate
-        hit = 1.0
-        for i in range(gamma):
-            hit *= rates[min(i, len(rates) - 1)] if rates else self.alpha
-        return hit * self.guess_rate
+        rates = self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma
+        return math.prod(rates[:gamma]) * self.guess_rate
 
     def observe_guess(self, right: bool, decay: float = 0.9) -> None:
         """A fully accepted round whose pre-draft's first token was (not) the bonus."""
@@ -449,15 +440,11 @@ class SessionPolicy:
         if gamma <= 0:
             return
         chances = keep_chances(gamma, accepted, chances)
-        while len(self.reached) < gamma:
-            self.reached.append(0.0)
-        previous = 1.0
-        for i in range(len(self.reached)):
-            self.reached[i] = decay * self.reached[i] + (previous if i < gamma else 0.0)
-            if i < gamma:
-                previous = chances[i]
+        trials = reached_chances(chances)
+        self.reached += [0.0] * (gamma - len(self.reached))
+        self.reached = [decay * mass + (trials[i] if i < gamma else 0.0) for i, mass in enumerate(self.reached)]
         self.accepted = decay * self.accepted + sum(chances)
-        self.trials = decay * self.trials + 1.0 + sum(chances[:-1])
+        self.trials = decay * self.trials + sum(trials)
 
     def choose(self, costs: CostModel) -> int:
         if self.fixed is not None:

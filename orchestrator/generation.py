@@ -419,7 +419,6 @@ class Generator:
         """`chances`: the target's keep chances of a sampled draft (gamma_policy.keep_chances).
         A seeded session's policy counts its kept length instead, a function of its own
         tokens only, so that the same request yields the same rounds."""
-        chances = list(chances) or None
         stats.observe(gamma, accepted)
         policy.observe(gamma, accepted, None if policy.deterministic else chances)
         self.costs.observe_acceptance(policy.greedy, gamma, accepted, chances)

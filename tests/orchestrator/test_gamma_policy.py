@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, PREDRAFT_PROBE_EVERY,
                                        PREDRAFT_USE_AFTER, TABLE_REFRESH, CostModel, PositionRates,
-                                       SessionPolicy, expected_by_gamma, expected_tokens, keep_chances,
+                                       SessionPolicy, expected_by_gamma, keep_chances,
                                        verify_slope)
 
 
@@ -16,6 +16,11 @@ def _observe(costs: CostModel, gammas, net: float, draft_step: float, target_ste
         costs.observe_draft(g, net + g * draft_step, g * draft_step, batch)
         compute = target_step * (1 + verify_slope(batch) * g)
         costs.observe_verify(g, net + compute, batch, compute)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """The geometric model the policy reduces to with one rate at every position."""
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 def _policy(alpha: float) -> SessionPolicy:
