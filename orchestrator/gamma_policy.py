@@ -43,7 +43,9 @@ table would call extra tokens free and push every γ up (measured at 16 streams:
 verify time of a round is the call's time outside the forward plus the forward of a batch
 whose B sessions all feed γ + 1 rows, read off the target's cost curve by rows, measured
 from every response (orchestrator/forward_costs.py), with the draft's time from the linear
-model; until that curve has two points, the linear model with a fixed per-token slope.
+model; until that curve has two points, the linear model with a fixed per-token slope, and
+above its last point no more than that model says (so rows never run are tried, then
+measured).
 More sessions make each token cost B rows, so γ shrinks as the target saturates and
 reaches 0 (no speculation) when drafting no longer pays, and grows again as load falls.
 The fixed slope, taken on another CPU, priced a token at 1.8 ms in a batch of 4 where
@@ -330,9 +332,27 @@ class CostModel:
         """Under load: the call's time outside the forward, plus the forward of a batch
         whose sessions all feed γ + 1 rows (the pending token and the draft), read off the
         measured curve (orchestrator/forward_costs.py); the linear model until the curve
-        has two points."""
-        forward = self.forward.ms(self.batch.get(1.0) * (gamma + 1))
-        return self._model_verify(gamma) if forward is None else self.verify_wait.get(1.0) + forward
+        has two points.
+
+        Above the curve's last point its rise is a guess, and a steep one where the points
+        are few and low: after target-only rounds of two sessions the points sat at 1-3
+        rows, rows 1 → 2 (the CPU kernel's jump, 6.7 → 11.7 ms) set the slope of every row
+        after, γ = 4 was priced at about 30 ms a round against 12 for γ = 0, and
+        speculation stayed off for a whole short run (CI of 2438010, the stack_probe smoke
+        test; the points read from the orchestrator's /metrics after `stack_probe
+        --configs greedy:2 --systems f`, 2026-12-02).
+        There a γ is priced at no more than the linear model says, and no less than the
+        curve's last point: optimistic where nothing is measured, so the rows get run and
+        measured, and the curve then decides."""
+        rows = self.batch.get(1.0) * (gamma + 1)
+        forward = self.forward.ms(rows)
+        if forward is None:
+            return self._model_verify(gamma)
+        loaded = self.verify_wait.get(1.0) + forward
+        if rows > (top := self.forward.top_rows()):
+            floor = self.verify_wait.get(1.0) + self.forward.ms(top)
+            loaded = max(floor, min(loaded, self._model_verify(gamma)))
+        return loaded
 
     def _model_draft(self, gamma: int) -> float:
         return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)

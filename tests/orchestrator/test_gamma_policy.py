@@ -283,6 +283,26 @@ def test_under_load_gamma_follows_the_measured_forward_curve():
     assert _policy(0.5).choose(saturated) == 0
 
 
+def test_after_target_only_rounds_speculation_still_starts_under_load():
+    """Target-only rounds of two sessions measure the forward at 1-2 rows only, where a CPU's
+    kernel jumps (the figures below: an orchestrator's /metrics after `stack_probe --configs
+    greedy:2 --systems f`, 2026-12-02). Extrapolated at that slope, every draft looked dear
+    and γ stayed 0 (CI of 2438010); above the measured rows the linear model caps the price,
+    so speculation starts, and once its rows are measured the curve decides."""
+    costs = CostModel()
+    for _ in range(20):
+        for rows, ms in ((1, 6.7), (2, 11.7)):
+            costs.observe_verify(0, ms + 1.0, 2, ms, rows)
+    assert not costs.alone and costs.forward.top_rows() == pytest.approx(2.0, abs=0.1)
+    assert costs.round_ms(4) <= costs._model_draft(4) + costs._model_verify(4) + 1e-9
+    assert costs.round_ms(4) >= costs.round_ms(0)  # never below the measured top
+    assert _policy(0.75).choose(costs) >= 2
+    for _ in range(10):  # drafts of four run, and their rows turn out dear: the curve decides
+        costs.observe_verify(4, 41.0, 2, 40.0, 10)
+    assert costs.forward.top_rows() == pytest.approx(10.0, abs=0.5)
+    assert _policy(0.75).choose(costs) < 4
+
+
 def test_without_rows_in_the_responses_the_linear_model_prices_gamma():
     """A target replica that reports no rows (older than the field) leaves the curve empty."""
     costs = CostModel()
