@@ -32,7 +32,15 @@ class ReplicaInfo:
     cache_bytes: int = 0
     model: str = ""
     vocab_size: int = 0
+    dtype: str = ""  # the weights' dtype as served (float32, bfloat16, ...)
     updated: float = 0.0
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "ReplicaInfo":
+        """A registry entry; fields this version does not know (a newer replica's, in a
+        rolling upgrade) are ignored rather than failing every read of the pool."""
+        data = json.loads(text)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     @property
     def load(self) -> float:
@@ -70,7 +78,7 @@ class Registry:
             if value is None:
                 dead.append(member)
             else:
-                alive.append(ReplicaInfo(**json.loads(value)))
+                alive.append(ReplicaInfo.from_json(value))
         if dead:
             try:
                 await self.redis.srem(POOLS + pool, *dead)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:
+    setup_logging(args.log_level)  # before the model loads, so that its line (device, dtype) is logged
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
@@ -93,7 +94,8 @@ class ReplicaHost:
         metrics.REPLICA_QUEUE.labels(self.pool).set(self.batcher.queue_length)
         return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
                            queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,
-                           model=str(self.args.model), vocab_size=self.engine.runner.vocab_size)
+                           model=str(self.args.model), vocab_size=self.engine.runner.vocab_size,
+                           dtype=str(self.engine.runner.dtype).removeprefix("torch."))
 
     def load_report(self) -> replica_pb2.LoadReport:
         s = self.engine.sessions
