@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := protos/specdec/v1/orchestrator.proto protos/specdec/internal/v1/replica.proto
 
-.PHONY: help setup venv redis proto run demo test test-fast bench bench-smoke models loadtest soak clean
+.PHONY: help setup venv redis proto run demo test test-fast bench bench-bf16 bench-smoke models loadtest soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -41,6 +41,9 @@ test-fast: setup  ## tests without the slow end-to-end ones
 
 bench: setup  ## side-by-side benchmark; writes benchmarks/RESULTS.md and a plot
 	$(PY) -m benchmarks.bench
+
+bench-bf16: setup  ## make bench with a bf16 target and an fp32 draft (CPUs with native bf16); writes benchmarks/RESULTS-bf16.md
+	$(PY) -m benchmarks.bench --dtype bfloat16 --draft-dtype float32 --out benchmarks/RESULTS-bf16.md
 
 bench-smoke: setup  ## the benchmark's smoke run (as in make test)
 	$(PY) -m pytest -q -m bench tests/benchmarks

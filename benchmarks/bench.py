@@ -90,10 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"smoke run: {QUICK['prompts']} prompts, {QUICK['max_new_tokens']} tokens, concurrency "
                          f"{QUICK['concurrency']}, γ sweep {QUICK['gammas']} (explicit options still win)")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="the report (default benchmarks/RESULTS.md)")
-    ap.add_argument("--plot", type=Path, help="the PNG (default: speedup.png beside --out)")
+    ap.add_argument("--plot", type=Path, help="the PNG (default: beside --out, speedup.png for RESULTS.md and "
+                                              "speedup-X.png for RESULTS-X.md)")
     ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: the bundled draft)")
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: the bundled target)")
     ap.add_argument("--device", default="auto", help="auto|cpu|cuda, here and in the stack's replicas")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                    help="the target's dtype (auto: fp32 on a CPU, bf16 on a GPU; float32|bfloat16|float16), "
+                         "in every system, in process and in the stack's replicas")
+    ap.add_argument("--draft-dtype", choices=DTYPE_CHOICES, help="the draft's dtype, likewise (default: --dtype)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--cost-reps", type=int, help="repetitions per timed forward (default 10)")
@@ -122,7 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
     if args.per_stream < 1:
         raise SystemExit(f"--per-stream must be at least 1, got {args.per_stream}")
-    args.plot = args.plot or args.out.with_name("speedup.png")
+    # RESULTS.md → speedup.png, RESULTS-bf16.md → speedup-bf16.png: one run's plot never
+    # overwrites another's
+    args.plot = args.plot or args.out.with_name(f"speedup{args.out.stem.removeprefix('RESULTS')}.png")
     return args
 
 
@@ -144,6 +151,20 @@ def describe(r: RunResult) -> str:
 
 
 # ----------------------------------------------------------------------------- machine
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def cpu_isa() -> str:
+    """torch's CPU kernel level and the matrix extensions that decide whether bf16 pays
+    (benchmarks.dtype_probe): the machines these runs get differ from session to session."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return torch.backends.cpu.get_cpu_capability() + (f" ({', '.join(extras)})" if extras else "")
+
+
 def machine_info(device: torch.device) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -156,6 +177,7 @@ def machine_info(device: torch.device) -> dict:
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    info["isa"] = cpu_isa()
     import grpc
     import transformers
 
@@ -167,7 +189,8 @@ def machine_info(device: torch.device) -> dict:
 def model_summary(model, path: str) -> str:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
-    return f"`{path}`: {cfg.num_hidden_layers} layers × {cfg.hidden_size}, {params / 1e6:.1f} M parameters"
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return f"`{path}`: {cfg.num_hidden_layers} layers × {cfg.hidden_size}, {params / 1e6:.1f} M parameters, {dtype}"
 
 
 # ----------------------------------------------------------------------------- the phases
@@ -217,7 +240,8 @@ def start_stack(args):
     from localstack.stack import LocalStack
 
     extra = {} if args.device == "auto" else {"SPECDEC_DEVICE": args.device}
-    stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=args.server_threads, extra_env=extra)
+    stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=args.server_threads, extra_env=extra,
+                       dtypes={"draft": args.draft_dtype or args.dtype, "target": args.dtype})
     t0 = time.perf_counter()
     stack.start()
     log(f"stack up in {time.perf_counter() - t0:.1f}s (orchestrator {stack.orchestrator_address}, logs in {stack.workdir})")
@@ -278,10 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    dtype = pick_dtype("auto", device)
     tok = load_tokenizer(args.target)
-    draft_model = load_model(args.draft, device, dtype)
-    target_model = load_model(args.target, device, dtype)
+    draft_model = load_model(args.draft, device, pick_dtype(args.draft_dtype or args.dtype, device))
+    target_model = load_model(args.target, device, pick_dtype(args.dtype, device))
     from training.corpus import heldout_prompts
 
     prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]

@@ -225,7 +225,7 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
     out = ["# Benchmark results", "",
            f"- command: `{meta['command']}`",
            f"- date: {meta['date']}",
-           f"- machine: {meta['cpu']}, {meta['cores']} cores; device {meta['device']}"
+           f"- machine: {meta['cpu']}, {meta['cores']} cores, {meta.get('isa', '?')}; device {meta['device']}"
            + (f" ({meta['gpu']})" if "gpu" in meta else "") + f"; load average at start {meta['load']}",
            f"- software: {meta['versions']}",
            f"- draft: {meta['draft']}", f"- target: {meta['target']}",

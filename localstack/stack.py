@@ -81,6 +81,8 @@ class LocalStack:
     draft_model: str = str(BUNDLED_DRAFT)
     target_model: str = str(BUNDLED_TARGET)
     threads: int = 1
+    # the replicas' --dtype, by pool ("draft", "target"); a pool not named takes its default
+    dtypes: dict = field(default_factory=dict)
     redis_password: str | None = None
     quiet: bool = True
     extra_env: dict = field(default_factory=dict)
@@ -143,7 +145,8 @@ class LocalStack:
         port = port or free_port()
         model = self.draft_model if kind == "draft" else self.target_model
         args = [sys.executable, "-m", f"{kind}_service", "--port", str(port), "--host", "127.0.0.1",
-                "--model", model, "--threads", str(self.threads), "--drain-seconds", "2", *extra]
+                "--model", model, "--threads", str(self.threads), "--drain-seconds", "2",
+                *(["--dtype", self.dtypes[kind]] if kind in self.dtypes else []), *extra]
         rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}"))
         self.replicas.append(rep)
         if wait:

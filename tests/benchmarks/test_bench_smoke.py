@@ -16,6 +16,7 @@ def test_bench_quick_writes_the_report_and_the_plot(bundled_paths, tmp_path):
                    "## temperature 1, 2 streams", "## γ sweep of (d), one stream", "## Bytes on the wire per round",
                    "| system | tok/s |", "(e) distributed, adaptive γ", "(b) HF assisted generation"):
         assert header in text, header
+    assert "parameters, float32" in text  # each model's dtype as served
     png = tmp_path / "speedup.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
