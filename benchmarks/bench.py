@@ -64,7 +64,8 @@ from benchmarks.inprocess import build_engines, measure_wire, quiet_transformers
 from benchmarks.remote import StackClient
 from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_requests, merge, pass_seed_base
 from specdec.model_runner import ModelRunner
-from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_tokenizer, pick_device, pick_dtype
+from specdec.models import (BUNDLED_DRAFT, BUNDLED_TARGET, DTYPE_NAMES, dtype_name, load_model, load_tokenizer,
+                             pick_device, pick_dtype)
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
@@ -95,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: the bundled draft)")
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: the bundled target)")
     ap.add_argument("--device", default="auto", help="auto|cpu|cuda, here and in the stack's replicas")
-    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                     help="the target's dtype (auto: fp32 on a CPU, bf16 on a GPU; float32|bfloat16|float16), "
                          "in every system, in process and in the stack's replicas")
-    ap.add_argument("--draft-dtype", choices=DTYPE_CHOICES, help="the draft's dtype, likewise (default: --dtype)")
+    ap.add_argument("--draft-dtype", choices=DTYPE_NAMES, help="the draft's dtype, likewise (default: --dtype)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--cost-reps", type=int, help="repetitions per timed forward (default 10)")
@@ -130,6 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # RESULTS.md → speedup.png, RESULTS-bf16.md → speedup-bf16.png: one run's plot never
     # overwrites another's
     args.plot = args.plot or args.out.with_name(f"speedup{args.out.stem.removeprefix('RESULTS')}.png")
+    args.draft_dtype = args.draft_dtype or args.dtype
     return args
 
 
@@ -151,9 +153,6 @@ def describe(r: RunResult) -> str:
 
 
 # ----------------------------------------------------------------------------- machine
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-
-
 def cpu_isa() -> str:
     """torch's CPU kernel level and the matrix extensions that decide whether bf16 pays
     (benchmarks.dtype_probe): the machines these runs get differ from session to session."""
@@ -189,8 +188,8 @@ def machine_info(device: torch.device) -> dict:
 def model_summary(model, path: str) -> str:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return f"`{path}`: {cfg.num_hidden_layers} layers × {cfg.hidden_size}, {params / 1e6:.1f} M parameters, {dtype}"
+    return (f"`{path}`: {cfg.num_hidden_layers} layers × {cfg.hidden_size}, {params / 1e6:.1f} M parameters, "
+            f"{dtype_name(next(model.parameters()).dtype)}")
 
 
 # ----------------------------------------------------------------------------- the phases
@@ -241,7 +240,7 @@ def start_stack(args):
 
     extra = {} if args.device == "auto" else {"SPECDEC_DEVICE": args.device}
     stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=args.server_threads, extra_env=extra,
-                       dtypes={"draft": args.draft_dtype or args.dtype, "target": args.dtype})
+                       dtypes={"draft": args.draft_dtype, "target": args.dtype})
     t0 = time.perf_counter()
     stack.start()
     log(f"stack up in {time.perf_counter() - t0:.1f}s (orchestrator {stack.orchestrator_address}, logs in {stack.workdir})")
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     tok = load_tokenizer(args.target)
-    draft_model = load_model(args.draft, device, pick_dtype(args.draft_dtype or args.dtype, device))
+    draft_model = load_model(args.draft, device, pick_dtype(args.draft_dtype, device))
     target_model = load_model(args.target, device, pick_dtype(args.dtype, device))
     from training.corpus import heldout_prompts
 

@@ -17,7 +17,7 @@ maximum over the points: noise does not make tokens free), and above the last po
 rises with the steeper of its last segment and its mean slope, so that an unmeasured
 region is never cheaper than the measured one suggests. That guess can be far too dear
 where the points are few and low (rows 1 → 2, the kernel's jump, taken as the slope of
-every row after), so the γ policy prices rows above `top_rows()` at no more than its
+every row after), so the γ policy prices rows above `top()` at no more than its
 linear model would (`CostModel._loaded_verify`). One curve per orchestrator
 process: the replicas of a pool are taken to be alike. `specdec_target_forward_ms{rows}`
 exports the buckets' times.
@@ -79,10 +79,10 @@ class ForwardCosts:
             out.append((rows, top))
         return out
 
-    def top_rows(self) -> float:
-        """The rows of the curve's last point (0 with none): above them it is a guess."""
+    def top(self) -> tuple[float, float] | None:
+        """The curve's last point, (rows, ms), or None with none: above it the curve is a guess."""
         pts = self.curve()
-        return pts[-1][0] if pts else 0.0
+        return pts[-1] if pts else None
 
     def ms(self, rows: float) -> float | None:
         """The forward's time at `rows`, or None while fewer than two points are measured

@@ -348,11 +348,11 @@ class CostModel:
         forward = self.forward.ms(rows)
         if forward is None:
             return self._model_verify(gamma)
-        loaded = self.verify_wait.get(1.0) + forward
-        if rows > (top := self.forward.top_rows()):
-            floor = self.verify_wait.get(1.0) + self.forward.ms(top)
-            loaded = max(floor, min(loaded, self._model_verify(gamma)))
-        return loaded
+        wait = self.verify_wait.get(1.0)
+        top_rows, top_ms = self.forward.top()  # the curve has points: `ms` gave a time
+        if rows <= top_rows:
+            return wait + forward
+        return max(wait + top_ms, min(wait + forward, self._model_verify(gamma)))
 
     def _model_draft(self, gamma: int) -> float:
         return self.draft_call.get(0.5) + gamma * self.draft_step.get(1.0)

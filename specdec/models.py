@@ -17,6 +17,12 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPE_NAMES = ("auto", *_DTYPES)  # what --dtype accepts (`pick_dtype`)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 → "bfloat16": how reports and the registry name a served dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 class ModelLoadError(RuntimeError):

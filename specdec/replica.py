@@ -17,7 +17,7 @@ from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
-from specdec.models import load_model, pick_device, pick_dtype
+from specdec.models import dtype_name, load_model, pick_device, pick_dtype
 from specdec.registry import Heartbeat, ReplicaInfo, Registry
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class ReplicaHost:
         return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
                            queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,
                            model=str(self.args.model), vocab_size=self.engine.runner.vocab_size,
-                           dtype=str(self.engine.runner.dtype).removeprefix("torch."))
+                           dtype=dtype_name(self.engine.runner.dtype))
 
     def load_report(self) -> replica_pb2.LoadReport:
         s = self.engine.sessions
@@ -106,7 +106,6 @@ class ReplicaHost:
             evictions=s.evictions, model=str(self.args.model), vocab_size=self.engine.runner.vocab_size)
 
     async def serve(self, add_servicer) -> None:
-        setup_logging(self.args.log_level)
         add_servicer(self.shell.server)
         creds = server_credentials(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
         port = self.shell.listen(self.args.host, self.args.port, creds)

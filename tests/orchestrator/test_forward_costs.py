@@ -72,11 +72,11 @@ def test_recent_batches_count_most():
     assert costs.ms(4) == pytest.approx(20.0, rel=0.01)
 
 
-def test_top_rows_is_the_last_measured_point():
+def test_top_is_the_last_measured_point():
     costs = ForwardCosts()
-    assert costs.top_rows() == 0.0
+    assert costs.top() is None
     for _ in range(3):
         costs.observe(2, 8.0)
         costs.observe(12, 10.0)
     costs.observe(40, 30.0)  # one observation: not a point yet
-    assert costs.top_rows() == pytest.approx(12.0)
+    assert costs.top() == (pytest.approx(12.0), 10.0)

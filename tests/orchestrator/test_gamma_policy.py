@@ -293,13 +293,13 @@ def test_after_target_only_rounds_speculation_still_starts_under_load():
     for _ in range(20):
         for rows, ms in ((1, 6.7), (2, 11.7)):
             costs.observe_verify(0, ms + 1.0, 2, ms, rows)
-    assert not costs.alone and costs.forward.top_rows() == pytest.approx(2.0, abs=0.1)
+    assert not costs.alone and costs.forward.top()[0] == pytest.approx(2.0, abs=0.1)
     assert costs.round_ms(4) <= costs._model_draft(4) + costs._model_verify(4) + 1e-9
     assert costs.round_ms(4) >= costs.round_ms(0)  # never below the measured top
     assert _policy(0.75).choose(costs) >= 2
     for _ in range(10):  # drafts of four run, and their rows turn out dear: the curve decides
         costs.observe_verify(4, 41.0, 2, 40.0, 10)
-    assert costs.forward.top_rows() == pytest.approx(10.0, abs=0.5)
+    assert costs.forward.top()[0] == pytest.approx(10.0, abs=0.5)
     assert _policy(0.75).choose(costs) < 4
 
 
