@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import time
 
 from benchmarks.remote import StackClient
@@ -55,6 +56,24 @@ def overlap_counts(port: int | None) -> tuple[float, float]:
     samples = scrape_metrics(port)
     return (samples.get('specdec_overlap_total{outcome="attempt"}', 0.0),
             samples.get('specdec_overlap_total{outcome="hit"}', 0.0))
+
+
+def mux_counts(port: int | None) -> dict[str, float]:
+    """The orchestrator's messages and calls on its multiplexed streams, per pool."""
+    if not port:
+        return {}
+    return {k: v for k, v in scrape_metrics(port).items() if k.startswith(("specdec_mux_messages", "specdec_mux_calls"))}
+
+
+def mux_view(before: dict[str, float], after: dict[str, float]) -> str:
+    """Calls per message on each pool's multiplexed stream ("" when none was used)."""
+    parts = []
+    for pool in ("draft", "target"):
+        d = {kind: after.get(f'specdec_mux_{kind}_total{{pool="{pool}"}}', 0.0)
+             - before.get(f'specdec_mux_{kind}_total{{pool="{pool}"}}', 0.0) for kind in ("messages", "calls")}
+        if d["messages"]:
+            parts.append(f"{pool} {d['calls'] / d['messages']:.2f}")
+    return f" | calls/message: {', '.join(parts)}" if parts else ""
 
 
 def overlap_view(before: tuple[float, float], after: tuple[float, float], rounds: int) -> str:
@@ -108,6 +127,7 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
                 before = {pool: scrape(port) for pool, port in ports.items()}
                 cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
                 overlap_before = overlap_counts(orchestrator_port)
+                mux_before = mux_counts(orchestrator_port)
                 t0 = time.perf_counter()
                 run = await client.run(system, make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams)),
                                        mode, streams, max_new, gamma)
@@ -117,6 +137,7 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
                 views = " | ".join(f"{pool}: {pool_view(before[pool], after[pool], wall)}" for pool in ports)
                 if orchestrator_port:
                     views += " | " + overlap_view(overlap_before, overlap_counts(orchestrator_port), run.rounds)
+                    views += mux_view(mux_before, mux_counts(orchestrator_port))
                 if pids:
                     views += " | " + cpu_view(cpu_before, cpu_after, run.rounds)
                 shape = (f"γ {run.drafted / run.rounds:.2f} tok/round {run.tokens / run.rounds:.2f} "
@@ -135,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--systems", default="fe",
                     help="which distributed systems to run per configuration, in order: d (fixed γ = 4), "
                          "e (adaptive γ with overlap), f (target only); default fe")
+    ap.add_argument("--orchestrator-args", default="",
+                    help="extra flags for the orchestrator, e.g. '--internal-calls stream'")
     add_workload_args(ap, warm_up=5.0)
     return ap
 
@@ -170,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         for pool, port in ports.items():
             pids[pool] = stack.start_replica(pool, extra=["--metrics-port", str(port)]).proc.pid
         orchestrator_port = free_port()
-        pids["orchestrator"] = stack.start_orchestrator(extra=["--metrics-port", str(orchestrator_port)]).proc.pid
+        pids["orchestrator"] = stack.start_orchestrator(
+            extra=["--metrics-port", str(orchestrator_port), *shlex.split(args.orchestrator_args)]).proc.pid
         stack.wait_registered(1, 1)
         asyncio.run(probe(stack.orchestrator_address, ports, prompt_ids, configs, args.per_stream,
                           args.max_new_tokens, args.warm_up, pids, args.systems, orchestrator_port))

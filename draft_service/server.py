@@ -65,6 +65,10 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
         async for response in self.host.answer_stream(self.propose, request_iterator, context):
             yield response
 
+    async def ProposeMux(self, request_iterator, context):
+        await self.host.answer_mux(self.propose, request_iterator, context,
+                                   replica_pb2.ProposeAnswer, replica_pb2.ProposeAnswers)
+
     async def Release(self, request, context):
         return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
 

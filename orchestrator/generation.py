@@ -108,7 +108,7 @@ class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
                  costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
                  overlap_min_hit: float = OVERLAP_MIN_HIT, overlap_min_use: float = OVERLAP_MIN_USE,
-                 streams: bool = True,
+                 calls: str = "mux",
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED)) -> None:
         self.pools = pools
         self.store = store
@@ -120,7 +120,7 @@ class Generator:
         self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
         self.overlap_min_hit = overlap_min_hit
         self.overlap_min_use = overlap_min_use  # under load (CostModel.predraft_pays)
-        self.streams = streams  # a generation's Propose/Verify calls go over one stream per replica
+        self.calls = calls  # how Propose/Verify travel: round_stream.CALL_MODES
         self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
 
     # ----------------------------------------------------------------- session set-up
@@ -270,7 +270,7 @@ class Generator:
         metrics.OVERLAP.labels("attempt").inc()
         greedy = gen.policy.greedy
         if verdict.accepted < gamma:
-            if not self.streams:
+            if self.calls == "unary":
                 ahead.cancel()
             self.costs.observe_predraft(greedy, False)
             return None
@@ -338,7 +338,7 @@ class Generator:
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
         p = req.params
         return _Generation(
-            handle, deadline, SessionLinks(self.pools, self.streams), Stats(),
+            handle, deadline, SessionLinks(self.pools, self.calls), Stats(),
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
             TextStream(self.tokenizer, req.stop),
             replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),

@@ -6,13 +6,16 @@ there. A replica whose calls fail is avoided at once, before its registry entry 
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
+from orchestrator.mux_link import MuxLink
+
 from specdec.errors import Unavailable
 from specdec.grpc_server import channel_credentials, channel_options
-from specdec.internal.v1 import replica_pb2_grpc
+from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.registry import Registry, ReplicaInfo
 
 REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -33,6 +36,7 @@ class PoolClients:
         self.cache_seconds = registry_cache_seconds
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[str, str], object] = {}  # built once per channel: not per call
+        self._mux: dict[tuple[str, str], MuxLink] = {}  # one shared stream per replica
         self._down: dict[str, float] = {}
         self._placed: dict[str, int] = {}
         self._live_cache: dict[str, tuple[float, list[ReplicaInfo]]] = {}
@@ -58,15 +62,32 @@ class PoolClients:
     def target(self, address: str) -> replica_pb2_grpc.TargetStub:
         return self._stub("target", address)
 
+    def mux(self, kind: str, address: str) -> MuxLink:
+        """This process's one multiplexed stream to the replica, for every generation."""
+        link = self._mux.get((kind, address))
+        if link is None:
+            if kind == "draft":
+                link = MuxLink(lambda: self.draft(address).ProposeMux(), f"draft replica {address}", kind,
+                               replica_pb2.ProposeCall, replica_pb2.ProposeCalls)
+            else:
+                link = MuxLink(lambda: self.target(address).VerifyMux(), f"target replica {address}", kind,
+                               replica_pb2.VerifyCall, replica_pb2.VerifyCalls)
+            self._mux[(kind, address)] = link
+        return link
+
     def mark_down(self, address: str) -> None:
         self._down[address] = time.monotonic() + self.avoid_seconds
         ch = self._channels.pop(address, None)
         self._stubs.pop(("draft", address), None)
         self._stubs.pop(("target", address), None)
+        loop = asyncio.get_running_loop()
+        for kind in ("draft", "target"):
+            link = self._mux.pop((kind, address), None)
+            if link is not None:  # like the channel: calls in flight get a second to finish
+                loop.call_later(1.0, link.close)
         if ch is not None:
             # closed lazily: calls still in flight on it finish or fail on their own
-            import asyncio
-            asyncio.get_running_loop().create_task(ch.close(grace=1.0))
+            loop.create_task(ch.close(grace=1.0))
 
     def is_down(self, address: str) -> bool:
         until = self._down.get(address)
@@ -100,6 +121,9 @@ class PoolClients:
         return address
 
     async def close(self) -> None:
+        for link in self._mux.values():
+            link.close()
+        self._mux.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

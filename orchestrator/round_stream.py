@@ -76,14 +76,23 @@ class RoundStream:
                     call.cancel()
 
 
-class SessionLinks:
-    """A generation's calls to the pools: over one RoundStream per replica it talks to, or
-    as plain unary calls (`streams=False`, e.g. behind a proxy that dislikes long streams)."""
+CALL_MODES = ("mux", "stream", "unary")
 
-    def __init__(self, pools, streams: bool = True) -> None:
+
+class SessionLinks:
+    """A generation's calls to the pools, in one of three ways (`mode`):
+    - "mux": over the process's one shared stream per replica (orchestrator.mux_link),
+      one call at a time per replica for this generation;
+    - "stream": over one RoundStream per replica of its own;
+    - "unary": as plain unary calls (e.g. behind a proxy that dislikes long streams)."""
+
+    def __init__(self, pools, mode: str = "mux") -> None:
+        if mode not in CALL_MODES:
+            raise ValueError(f"internal call mode must be one of {CALL_MODES}, got {mode!r}")
         self.pools = pools
-        self.streams = streams
+        self.mode = mode
         self._open: dict[tuple[str, str], RoundStream] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def _stream(self, kind: str, address: str) -> RoundStream:
         link = self._open.get((kind, address))
@@ -96,18 +105,27 @@ class SessionLinks:
             link = self._open[(kind, address)] = RoundStream(opener, f"{kind} replica {address}", kind)
         return link
 
+    async def _call(self, kind: str, address: str, request, timeout: float):
+        if self.mode == "stream":
+            return await self._stream(kind, address).call(request, timeout)
+        if self.mode == "unary":
+            stub = self.pools.draft(address) if kind == "draft" else self.pools.target(address)
+            return await (stub.Propose if kind == "draft" else stub.Verify)(request, timeout=timeout)
+        lock = self._locks.get((kind, address))
+        if lock is None:
+            lock = self._locks[(kind, address)] = asyncio.Lock()
+        async with lock:  # in order, as on a stream of its own: a pre-draft, then the next call
+            return await self.pools.mux(kind, address).call(request, timeout)
+
     async def propose(self, address: str, request, timeout: float):
-        if not self.streams:
-            return await self.pools.draft(address).Propose(request, timeout=timeout)
-        return await self._stream("draft", address).call(request, timeout)
+        return await self._call("draft", address, request, timeout)
 
     async def verify(self, address: str, request, timeout: float):
-        if not self.streams:
-            return await self.pools.target(address).Verify(request, timeout=timeout)
-        return await self._stream("target", address).call(request, timeout)
+        return await self._call("target", address, request, timeout)
 
     @property
     def opened(self) -> int:
+        """Streams of its own this generation opened ("stream" mode)."""
         return sum(link.opened for link in self._open.values())
 
     async def close(self) -> None:

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
 from orchestrator.pools import PoolClients
+from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
 from specdec.config import add_common_args, env, read_secret, redis_client, setup_logging
@@ -243,9 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the same for sampled sessions (temperature > 0); 0 = off, the default: on the bundled "
                          "pair no threshold paid there even in process (benchmarks.stop_rule_probe) "
                          "[SPECDEC_STOP_BELOW_SAMPLED]")
-    ap.add_argument("--internal-calls", choices=("stream", "unary"), default=env("INTERNAL_CALLS", "stream"),
-                    help="how a generation calls the pools: one stream per replica for the whole generation "
-                         "(saves a call set-up per round) or a unary call per round [SPECDEC_INTERNAL_CALLS]")
+    ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "mux"),
+                    help="how generations call the pools: mux (one stream per replica shared by every "
+                         "generation, the calls of one moment in one message), stream (one stream per replica "
+                         "per generation: saves a call set-up per round) or unary (a call per round) "
+                         "[SPECDEC_INTERNAL_CALLS]")
     ap.add_argument("--pool-tls-server-name", default=env("POOL_TLS_SERVER_NAME"),
                     help="name in the pools' certificate, when it does not match the dialled address "
                          "(e.g. specdec-draft.specdec.svc) [SPECDEC_POOL_TLS_SERVER_NAME]")
@@ -271,7 +274,7 @@ async def serve(args: argparse.Namespace) -> None:
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use,
-                          streams=args.internal_calls == "stream",
+                          calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled))
     token = read_secret(args.api_token_file)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Ove
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# how often a client pings an idle connection to find a dead peer; a server accepts
+# pings three times as often (SPECDEC_KEEPALIVE_MS: the same on every process of a deployment)
+KEEPALIVE_MS = int(os.environ.get("SPECDEC_KEEPALIVE_MS", "30000"))
 
 STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -60,7 +64,7 @@ def channel_options(server_name: str | None = None) -> list:
     extra = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     return extra + [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 30000), ("grpc.use_local_subchannel_pool", 1)]
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.use_local_subchannel_pool", 1)]
 
 
 class ServerShell:
@@ -70,7 +74,13 @@ class ServerShell:
         self.server = grpc.aio.server(interceptors=list(interceptors), options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0)])
+            ("grpc.so_reuseport", 0),
+            # clients ping every 30 s (channel_options) to find dead peers on long-lived
+            # streams; a multiplexed stream is open for good, often with no data for
+            # minutes, and gRPC's default (no ping without data inside 5 minutes, two
+            # strikes) would answer those pings with GOAWAY "too_many_pings" and break it
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 3),
+            ("grpc.keepalive_permit_without_calls", 1)])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names

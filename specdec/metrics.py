@@ -53,8 +53,12 @@ OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hit
 DRAFT_STOPS = Counter("specdec_draft_stops_total",
                       "Proposals the draft ended before the γ asked, at a token it was unsure of (stop_below)")
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
-                           "Round streams opened to the pools (one per generation and replica, more after errors)",
-                           ["pool"])
+                           "Streams opened to the pools (round streams: one per generation and replica; "
+                           "multiplexed: one per replica; more after errors)", ["pool"])
+MUX_MESSAGES = Counter("specdec_mux_messages_total",
+                       "Messages written on the multiplexed streams to the pools", ["pool"])
+MUX_CALLS = Counter("specdec_mux_calls_total",
+                    "Calls sent on the multiplexed streams to the pools (÷ messages: calls per message)", ["pool"])
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
 
 # every process

@@ -18,6 +18,7 @@ from specdec.grpc_server import ServerShell, abort, server_credentials
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
 from specdec.models import dtype_name, load_model, pick_device, pick_dtype
+from specdec.mux_server import serve_mux
 from specdec.registry import Heartbeat, ReplicaInfo, Registry
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ class ReplicaHost:
             yield await self.answer(handle, request, context)
             if self.draining:
                 return
+
+    async def answer_mux(self, handle, request_iterator, context, answer_cls, answers_cls) -> None:
+        """A multiplexed stream: many sessions' calls, each answered or refused on its own
+        (specdec.mux_server)."""
+        await serve_mux(handle, request_iterator, context, answer_cls, answers_cls, self.shell.stopping)
 
     def _on_batch(self, size: int, seconds: float, held: float) -> None:
         # per batch only pre-bound children; the session and cache gauges, a walk over

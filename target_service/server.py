@@ -62,6 +62,10 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         async for response in self.host.answer_stream(self.verify, request_iterator, context):
             yield response
 
+    async def VerifyMux(self, request_iterator, context):
+        await self.host.answer_mux(self.verify, request_iterator, context,
+                                   replica_pb2.VerifyAnswer, replica_pb2.VerifyAnswers)
+
     async def Release(self, request, context):
         return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
 

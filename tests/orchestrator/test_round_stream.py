@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from orchestrator.pools import PoolClients
-from orchestrator.round_stream import SessionLinks
+from orchestrator.round_stream import CALL_MODES, SessionLinks
 from specdec import rounds
 from specdec.internal.v1 import replica_pb2 as rpb
 
@@ -51,30 +51,32 @@ async def decode(links: SessionLinks, draft: str, target: str, prompt: list[int]
     return out
 
 
-def links_for(stack, streams: bool) -> tuple[SessionLinks, PoolClients]:
+def links_for(stack, mode: str = "stream") -> tuple[SessionLinks, PoolClients]:
     pools = PoolClients(registry=None)
-    return SessionLinks(pools, streams), pools
+    return SessionLinks(pools, mode), pools
 
 
 @pytest.mark.parametrize("params", [GREEDY, T1], ids=["greedy", "t1"])
-def test_streams_answer_round_after_round_as_unary_calls_do(local_stack, tokenizer, params):
+def test_every_call_mode_answers_round_after_round_alike(local_stack, tokenizer, params):
     draft, target = replica(local_stack, "draft").address, replica(local_stack, "target").address
     prompt = tokenizer("def parse(line):\n    parts = ")["input_ids"]
 
     async def both():
         results = {}
-        for streams in (True, False):
-            links, pools = links_for(local_stack, streams)
-            results[streams] = await decode(links, draft, target, prompt, 8, params)
-            if streams:
+        for mode in CALL_MODES:
+            links, pools = links_for(local_stack, mode)
+            results[mode] = await decode(links, draft, target, prompt, 8, params)
+            if mode == "stream":
                 assert links.opened == 2  # one stream to each replica for all 17 calls
+            if mode == "mux":  # the process's shared streams, one per replica
+                assert [pools.mux(k, a).opened for k, a in (("draft", draft), ("target", target))] == [1, 1]
             await links.close()
             await pools.close()
         return results
 
     results = asyncio.run(both())
-    assert results[True] == results[False]
-    assert sum(n for _, n, _, _ in results[True]) > 0  # the rounds did accept draft tokens
+    assert results["stream"] == results["unary"] == results["mux"]
+    assert sum(n for _, n, _, _ in results["stream"]) > 0  # the rounds did accept draft tokens
 
 
 def test_a_refused_call_ends_the_stream_with_its_status_and_the_next_call_reopens(local_stack, tokenizer):
@@ -83,7 +85,7 @@ def test_a_refused_call_ends_the_stream_with_its_status_and_the_next_call_reopen
     sid = "stream-refused-" + uuid.uuid4().hex
 
     async def run():
-        links, pools = links_for(local_stack, True)
+        links, pools = links_for(local_stack)
         try:
             ok = await links.verify(target, rpb.VerifyRequest(cache=ref(sid, 0, prompt), sampling=GREEDY), 30)
             with pytest.raises(grpc.aio.AioRpcError) as dup:  # the same call again: refused, cache unmoved
@@ -112,7 +114,7 @@ def test_a_call_past_its_timeout_is_deadline_exceeded_and_drops_the_stream(local
     prompt = tokenizer("class Config:\n" * 20)["input_ids"]  # a prefill that cannot finish in 1 µs
 
     async def run():
-        links, pools = links_for(local_stack, True)
+        links, pools = links_for(local_stack)
         try:
             sid = "stream-timeout-" + uuid.uuid4().hex
             with pytest.raises(grpc.aio.AioRpcError) as err:

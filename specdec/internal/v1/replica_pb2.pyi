@@ -149,3 +149,71 @@ class LoadReport(_message.Message):
     model: str
     vocab_size: int
     def __init__(self, pool: _Optional[str] = ..., address: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., forward_passes: _Optional[int] = ..., evictions: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class ProposeCall(_message.Message):
+    __slots__ = ("id", "request", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: ProposeRequest
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class ProposeCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[ProposeCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[ProposeCall, _Mapping]]] = ...) -> None: ...
+
+class ProposeAnswer(_message.Message):
+    __slots__ = ("id", "response", "code", "details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: ProposeResponse
+    code: int
+    details: str
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class ProposeAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[ProposeAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[ProposeAnswer, _Mapping]]] = ...) -> None: ...
+
+class VerifyCall(_message.Message):
+    __slots__ = ("id", "request", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: VerifyRequest
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class VerifyCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[VerifyCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[VerifyCall, _Mapping]]] = ...) -> None: ...
+
+class VerifyAnswer(_message.Message):
+    __slots__ = ("id", "response", "code", "details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: VerifyResponse
+    code: int
+    details: str
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class VerifyAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[VerifyAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[VerifyAnswer, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class DraftStub:
                 request_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeMux = channel.stream_stream(
+                '/specdec.internal.v1.Draft/ProposeMux',
+                request_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeCalls.SerializeToString,
+                response_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeAnswers.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.internal.v1.Draft/Release',
                 request_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ReleaseRequest.SerializeToString,
@@ -81,6 +86,12 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeMux(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -105,6 +116,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.ProposeStream,
                     request_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeMux,
+                    request_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeCalls.FromString,
+                    response_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeAnswers.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -176,6 +192,33 @@ class Draft:
             '/specdec.internal.v1.Draft/ProposeStream',
             specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeRequest.SerializeToString,
             specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.internal.v1.Draft/ProposeMux',
+            specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeCalls.SerializeToString,
+            specdec_dot_internal_dot_v1_dot_replica__pb2.ProposeAnswers.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,6 +303,11 @@ class TargetStub:
                 request_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyMux = channel.stream_stream(
+                '/specdec.internal.v1.Target/VerifyMux',
+                request_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyCalls.SerializeToString,
+                response_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyAnswers.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.internal.v1.Target/Release',
                 request_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.ReleaseRequest.SerializeToString,
@@ -282,6 +330,12 @@ class TargetServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyMux(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -311,6 +365,11 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.VerifyStream,
                     request_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyMux,
+                    request_deserializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyCalls.FromString,
+                    response_serializer=specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyAnswers.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -377,6 +436,33 @@ class Target:
             '/specdec.internal.v1.Target/VerifyStream',
             specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyRequest.SerializeToString,
             specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.internal.v1.Target/VerifyMux',
+            specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyCalls.SerializeToString,
+            specdec_dot_internal_dot_v1_dot_replica__pb2.VerifyAnswers.FromString,
             options,
             channel_credentials,
             insecure,
