@@ -24,6 +24,7 @@ import grpc
 
 from orchestrator.round_stream import rpc_error
 from specdec import metrics
+from specdec.mux_server import split_by_size
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -99,10 +100,11 @@ class MuxLink:
             if not calls:
                 continue
             try:
-                await stream.write(self._calls_cls(calls=calls))
-                self.messages += 1
-                self._messages_metric.inc()
-                self._calls_metric.inc(len(calls))
+                for run in split_by_size(calls):
+                    await stream.write(self._calls_cls(calls=run))
+                    self.messages += 1
+                    self._messages_metric.inc()
+                    self._calls_metric.inc(len(run))
             except grpc.aio.AioRpcError as exc:
                 self._fail(stream, exc.code(), exc.details())
                 return

@@ -22,10 +22,30 @@ from typing import Awaitable, Callable
 import grpc
 
 from specdec.errors import SpecDecError
-from specdec.grpc_server import status_of
+from specdec.grpc_server import MAX_MESSAGE_BYTES, status_of
 
 log = logging.getLogger(__name__)
 STOPPING = "the replica is stopping; call another replica of its pool"
+# what one message of a multiplexed stream may carry: half the limit both ends accept, so
+# that many sessions' calls (or answers) of one moment never add up to a refused message;
+# one call alone may still be as large as a unary call may
+MESSAGE_BUDGET = MAX_MESSAGE_BYTES // 2
+
+
+def split_by_size(items: list, budget: int = MESSAGE_BUDGET) -> list[list]:
+    """The items in order, in runs whose serialized sizes add up to at most `budget` (an
+    item larger than that on its own is a run of its own)."""
+    runs, run, size = [], [], 0
+    for item in items:
+        n = item.ByteSize()
+        if run and size + n > budget:
+            runs.append(run)
+            run, size = [], 0
+        run.append(item)
+        size += n
+    if run:
+        runs.append(run)
+    return runs
 
 
 class AnswerWriter:
@@ -49,8 +69,8 @@ class AnswerWriter:
             self._ready.clear()
             await asyncio.sleep(0)  # the answers of the same batch, set in the same turn, join
             answers, self._pending = self._pending, []
-            if answers:
-                await self._context.write(self._answers_cls(answers=answers))
+            for run in split_by_size(answers):
+                await self._context.write(self._answers_cls(answers=run))
 
     async def close(self) -> None:
         """Write what is left, then stop."""

@@ -157,3 +157,26 @@ def test_an_idle_stream_survives_the_keepalive_pings(tokenizer, monkeypatch):
                 await pools.close()
 
         asyncio.run(run())
+
+
+def test_calls_too_many_for_one_message_travel_in_several(local_stack):
+    """60 calls of about 300 KB each in one moment (18 MB, above the 16 MB both ends accept
+    in one message): each still gets its own answer, here its refusal of the malformed
+    distributions, and the stream stays up."""
+    target = replica(local_stack, "target").address
+    blob = rpb.DraftDistributions(vocab_size=4096, dense_fp16=b"\0" * 300_000)
+
+    async def run():
+        pools = PoolClients(registry=None)
+        link = pools.mux("target", target)
+        try:
+            calls = [link.call(rpb.VerifyRequest(cache=ref(f"big-{i}", 0, [1, 2]), draft_tokens=[5, 6],
+                                                 distributions=blob, sampling=T1), 60) for i in range(60)]
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(a, grpc.aio.AioRpcError) and a.code() == grpc.StatusCode.INVALID_ARGUMENT
+                       for a in answers), {type(a).__name__ for a in answers}
+            assert link.opened == 1 and link.messages >= 3
+        finally:
+            await pools.close()
+
+    asyncio.run(run())
