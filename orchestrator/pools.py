@@ -12,7 +12,6 @@ import time
 import grpc
 
 from orchestrator.mux_link import MuxLink
-
 from specdec.errors import Unavailable
 from specdec.grpc_server import channel_credentials, channel_options
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
@@ -21,6 +20,9 @@ from specdec.registry import Registry, ReplicaInfo
 REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 CACHE_LOST = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+# per pool: the multiplexed RPC and the messages of its calls
+MUX_RPCS = {"draft": ("ProposeMux", replica_pb2.ProposeCall, replica_pb2.ProposeCalls),
+            "target": ("VerifyMux", replica_pb2.VerifyCall, replica_pb2.VerifyCalls)}
 
 
 class PoolClients:
@@ -66,13 +68,10 @@ class PoolClients:
         """This process's one multiplexed stream to the replica, for every generation."""
         link = self._mux.get((kind, address))
         if link is None:
-            if kind == "draft":
-                link = MuxLink(lambda: self.draft(address).ProposeMux(), f"draft replica {address}", kind,
-                               replica_pb2.ProposeCall, replica_pb2.ProposeCalls)
-            else:
-                link = MuxLink(lambda: self.target(address).VerifyMux(), f"target replica {address}", kind,
-                               replica_pb2.VerifyCall, replica_pb2.VerifyCalls)
-            self._mux[(kind, address)] = link
+            method, call_cls, calls_cls = MUX_RPCS[kind]
+            # the stub is looked up at each opening: a replica marked down gets a new channel
+            link = self._mux[(kind, address)] = MuxLink(lambda: getattr(self._stub(kind, address), method)(),
+                                                        f"{kind} replica {address}", kind, call_cls, calls_cls)
         return link
 
     def mark_down(self, address: str) -> None:

@@ -109,8 +109,8 @@ class SessionLinks:
         if self.mode == "stream":
             return await self._stream(kind, address).call(request, timeout)
         if self.mode == "unary":
-            stub = self.pools.draft(address) if kind == "draft" else self.pools.target(address)
-            return await (stub.Propose if kind == "draft" else stub.Verify)(request, timeout=timeout)
+            unary = self.pools.draft(address).Propose if kind == "draft" else self.pools.target(address).Verify
+            return await unary(request, timeout=timeout)
         lock = self._locks.get((kind, address))
         if lock is None:
             lock = self._locks[(kind, address)] = asyncio.Lock()
