@@ -29,6 +29,8 @@ class ProposeJob:
     params: sampling.SamplingParams
     guess_bonus: bool = False  # a pre-draft: its first token guesses the target's bonus (sampling.bonus_guess_rows)
     stop_below: float = 0.0  # end early after a step whose top probability is below this (`_goes_on`)
+    runner_ups: bool = False  # also return each step's runner-up token (greedy: what a branch forks from)
+    fork: bool = False  # draft in a private copy of the session's cache (SessionTable.fork)
 
     @property
     def forward_size(self) -> int:
@@ -43,6 +45,7 @@ class Proposal:
     cache_length: int
     compute_ms: float = 0.0
     batch_size: int = 1
+    runner_ups: list[int] | None = None  # [γ] with ProposeJob.runner_ups
 
 
 class DraftEngine:
@@ -57,23 +60,28 @@ class DraftEngine:
         t0 = time.perf_counter()
         results: list[Proposal | SpecDecError | None] = [None] * len(jobs)
         busy = {j.ref.session_id for j in jobs}
-        last = {j.ref.session_id: i for i, j in enumerate(jobs)}
+        last = {j.ref.session_id: i for i, j in enumerate(jobs) if not j.fork}
         live: list[int] = []
         caches = {}
         for i, job in enumerate(jobs):
             try:
-                if last[job.ref.session_id] != i:  # a pre-draft the orchestrator gave up on
+                if not job.fork and last[job.ref.session_id] != i:  # a pre-draft the orchestrator gave up on
                     raise CacheMismatch(f"session {job.ref.session_id}: superseded by a newer proposal")
                 if not 1 <= job.gamma <= MAX_GAMMA:
                     raise InvalidRequest(f"num_tokens (γ) must lie in 1..{MAX_GAMMA}, got {job.gamma}")
                 if not job.ref.tokens:
                     raise InvalidRequest("a proposal needs at least one new committed token to feed")
+                if job.runner_ups and not job.params.greedy:
+                    raise InvalidRequest("runner_ups are for greedy proposals only")
                 self.sessions.validate(job.ref, extra=job.gamma)
-                caches[i], _ = self.sessions.acquire(job.ref, exact=False, busy=busy)
+                # forks copy before any job of the batch writes: all acquire first
+                caches[i] = (self.sessions.fork(job.ref, job.gamma) if job.fork
+                             else self.sessions.acquire(job.ref, exact=False, busy=busy)[0])
                 live.append(i)
             except SpecDecError as exc:
                 results[i] = exc
         drafted = {i: ([], []) for i in live}
+        seconds = {i: [] for i in live if jobs[i].runner_ups}
         feed = {i: torch.tensor(jobs[i].ref.tokens, dtype=torch.long) for i in live}
         step = 0
         while live:
@@ -92,9 +100,13 @@ class DraftEngine:
                 tokens = sampling.draft_tokens_rows(q16, params, [caches[i].length for i in live], guesses).cpu()
             top = (sampling.top_probability(logits).tolist() if any(jobs[i].stop_below > 0 for i in live)
                    else None)
+            second = (sampling.runner_up_rows(logits, tokens).tolist()
+                      if any(jobs[i].runner_ups for i in live) else None)
             still = []
             for row, (i, token) in enumerate(zip(live, tokens.tolist())):
                 drafted[i][0].append(token)
+                if i in seconds:
+                    seconds[i].append(second[row])
                 if not jobs[i].params.greedy:
                     drafted[i][1].append(q16[row])
                 if step + 1 < jobs[i].gamma and self._goes_on(jobs[i], step, None if top is None else top[row]):
@@ -105,7 +117,7 @@ class DraftEngine:
         ms = (time.perf_counter() - t0) * 1000
         for i, (tokens, rows) in drafted.items():
             results[i] = Proposal(tokens=tokens, q=torch.stack(rows) if rows else None, cache_length=caches[i].length,
-                                  compute_ms=ms, batch_size=len(drafted))
+                                  compute_ms=ms, batch_size=len(drafted), runner_ups=seconds.get(i))
         return results  # type: ignore[return-value]
 
     @staticmethod

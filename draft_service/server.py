@@ -50,13 +50,14 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
         if not 0 <= request.stop_below < 1:  # NaN fails too
             raise InvalidRequest(f"stop_below must lie in [0, 1), got {request.stop_below}")
         job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling),
-                         request.guess_bonus, request.stop_below)
+                         request.guess_bonus, request.stop_below, request.runner_ups, request.fork)
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result
         return replica_pb2.ProposeResponse(
             draft_tokens=result.tokens, cache_length=result.cache_length, compute_ms=result.compute_ms,
-            batch_size=result.batch_size, distributions=distributions_pb(result.q))
+            batch_size=result.batch_size, distributions=distributions_pb(result.q),
+            runner_ups=result.runner_ups or ())
 
     async def Propose(self, request, context):
         return await self.host.answer(self.propose, request, context)

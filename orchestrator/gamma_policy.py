@@ -403,6 +403,10 @@ class SessionPolicy:
     deterministic: bool = False  # seeded sampling: ignore measured costs
     guessed: float = 2.0  # Beta(2, 1) prior of the pre-draft's bonus guess being right
     guesses: float = 3.0
+    # a rejection corrected to the draft's runner-up: 0.33 teacher-forced on the bundled pair's
+    # held-out windows, so a prior of Beta(1, 2)
+    runner_up_right: float = 1.0
+    runner_up_tries: float = 3.0
     greedy: bool = False  # the sampling kind, whose process-wide α the estimate leans on
     estimate: list[float] | None = None  # the per-position rates of the last choice
 
@@ -445,6 +449,19 @@ class SessionPolicy:
         function of the session's own tokens, so a seeded request stays reproducible."""
         rates = self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma
         return math.prod(rates[:gamma]) * self.guess_rate
+
+    def branch_chances(self, gamma: int) -> list[float]:
+        """For j = 0 .. γ − 1, the chance that a fork pre-drafted from the draft's runner-up at
+        position j + 1 gets used: the round keeps exactly j tokens and the target corrects
+        the next to that runner-up. A greedy session's own rates, so no load enters."""
+        rates = self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma
+        rate = self.runner_up_right / self.runner_up_tries
+        return [math.prod(rates[:j]) * (1.0 - rates[j]) * rate for j in range(gamma)]
+
+    def observe_runner_up(self, right: bool, decay: float = 0.95) -> None:
+        """A forked round's correction was (not) the runner-up its fork was drafted from."""
+        self.runner_up_right = decay * self.runner_up_right + float(right)
+        self.runner_up_tries = decay * self.runner_up_tries + 1.0
 
     def observe_guess(self, right: bool, decay: float = 0.9) -> None:
         """A fully accepted round whose pre-draft's first token was (not) the bonus."""

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 4
 OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this
 OVERLAP_MIN_USE = 0.5  # under load, only while at least this share of a kind's pre-drafts were used
+# greedy, alone: at most this many branch pre-drafts beside the main one. Off by default:
+# on the 2-core CPU the draft's batch of forks outlasts the verification (README, forks)
+OVERLAP_FORKS = 0
+FORK_MIN_HIT = 0.03  # a branch is forked when its chance of use is at least this
 # Adaptive sessions' proposals end after a token drafted with a top probability below
 # this (ProposeRequest.stop_below), per sampling kind; off by default. Priced in process
 # (benchmarks.stop_rule_probe), 0.1 made greedy 1.05-1.12x the best fixed γ, but through
@@ -97,6 +101,25 @@ class _Generation:
     stop_below: float  # the confidence stop of this generation's proposals (0: off)
     prompt_len: int
     last_draft_probe: float
+    runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
+    # where this round's draft came from a fork: how far the draft replica's own cache still
+    # holds the committed tokens (None: it holds the draft too, up to its last token)
+    line: int | None = None
+
+
+@dataclass
+class _Ahead:
+    """The pre-drafts running beside a round's verification: the main one (round accepted in
+    full, bonus guessed) and forks by kept length j (runner-up at j + 1, its cache's base)."""
+    main: asyncio.Task | None = None
+    forks: dict[int, tuple[int, int, asyncio.Task]] = field(default_factory=dict)
+
+    def tasks(self) -> list[asyncio.Task]:
+        return ([self.main] if self.main else []) + [task for _, _, task in self.forks.values()]
+
+    def cancel(self) -> None:
+        for task in self.tasks():
+            task.cancel()
 
 
 def ref_pb(ref: CacheRef) -> replica_pb2.CacheRef:
@@ -108,7 +131,7 @@ class Generator:
     def __init__(self, pools: PoolClients, store: SessionStore, tokenizer, max_len: int,
                  costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
                  overlap_min_hit: float = OVERLAP_MIN_HIT, overlap_min_use: float = OVERLAP_MIN_USE,
-                 calls: str = "mux",
+                 calls: str = "mux", overlap_forks: int = OVERLAP_FORKS,
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED)) -> None:
         self.pools = pools
         self.store = store
@@ -120,6 +143,7 @@ class Generator:
         self.overlap = overlap  # pre-draft the next round during verification (adaptive γ only)
         self.overlap_min_hit = overlap_min_hit
         self.overlap_min_use = overlap_min_use  # under load (CostModel.predraft_pays)
+        self.overlap_forks = overlap_forks  # greedy branch pre-drafts while alone (_start_forks)
         self.calls = calls  # how Propose/Verify travel: round_stream.CALL_MODES
         self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
 
@@ -166,7 +190,8 @@ class Generator:
                     return None
             ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
             request = replica_pb2.ProposeRequest(
-                cache=ref_pb(ref), num_tokens=gamma, sampling=gen.params_pb, stop_below=gen.stop_below)
+                cache=ref_pb(ref), num_tokens=gamma, sampling=gen.params_pb, stop_below=gen.stop_below,
+                runner_ups=self._forks_wanted(gen))
             t0 = time.perf_counter()
             try:
                 resp = await gen.links.propose(handle.draft_replica, request, self._timeout(deadline))
@@ -243,16 +268,19 @@ class Generator:
         raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")
 
     # ----------------------------------------------------------------- overlapped drafting
-    async def _predraft(self, gen: "_Generation", start: int, last_draft: int,
-                        gamma: int) -> replica_pb2.ProposeResponse | None:
-        """While the target verifies round k, draft round k+1 as if round k were accepted in
-        full: feed the last draft token, guess the bonus token (under the target's own
-        noise for it: sampling.bonus_guess_rows), and draft γ more after it.
+    async def _predraft(self, gen: "_Generation", start: int, feed: list[int], num_tokens: int,
+                        fork: bool = False) -> replica_pb2.ProposeResponse | None:
+        """While the target verifies round k, draft round k+1 on a prefix it may end with.
+        The main pre-draft (`fork` False) assumes round k accepted in full: it feeds the
+        draft tokens the draft's cache lacks, guesses the bonus token (under the target's
+        own noise for it: sampling.bonus_guess_rows) and drafts on after it. A fork feeds a
+        rejected round's likely correction instead, in a private copy of the cache.
         One attempt; any failure just means no pre-draft."""
         handle = gen.handle
         request = replica_pb2.ProposeRequest(
-            cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, [last_draft])),
-            num_tokens=gamma + 1, sampling=gen.params_pb, guess_bonus=True, stop_below=gen.stop_below)
+            cache=ref_pb(CacheRef(handle.session_id, handle.epoch, start, feed)),
+            num_tokens=num_tokens, sampling=gen.params_pb, guess_bonus=not fork, stop_below=gen.stop_below,
+            runner_ups=self._forks_wanted(gen), fork=fork)
         try:
             resp = await gen.links.propose(handle.draft_replica, request, self._timeout(gen.deadline))
         except (grpc.aio.AioRpcError, DeadlineExceeded):
@@ -260,20 +288,54 @@ class Generator:
         gen.stats.wire_bytes += resp.ByteSize()
         return resp
 
-    async def _take_predraft(self, gen: "_Generation", ahead: asyncio.Task, verdict, gamma: int):
-        """Keep the pre-draft only if round k was accepted in full and its bonus token is the
-        one the draft guessed; the rest was drafted on exactly the committed prefix, with the
-        same per-position randomness, so it is the draft the next round would have made.
-        A wasted pre-draft on a stream is left to finish (it usually has: drafting is the
-        shorter half of a round); the next call on that stream queues behind it, where
-        cancelling would cost the stream."""
-        metrics.OVERLAP.labels("attempt").inc()
-        greedy = gen.policy.greedy
+    async def _take_predraft(self, gen: "_Generation", ahead: _Ahead, verdict, gamma: int):
+        """→ the next round's (tokens, distributions, γ, runner-ups, line) from a pre-draft
+        the verdict made right, or None. A wasted pre-draft on a stream is left to finish
+        (it usually has: drafting is the shorter half of a round); the next call on that
+        stream queues behind it, where cancelling would cost the stream."""
+        kept = ahead.main
+        if self.calls == "unary":
+            for j, (_, _, task) in ahead.forks.items():
+                if j != verdict.accepted:
+                    task.cancel()
+            if verdict.accepted < gamma and kept is not None:
+                kept.cancel()
         if verdict.accepted < gamma:
-            if self.calls == "unary":
-                ahead.cancel()
-            self.costs.observe_predraft(greedy, False)
+            if kept is not None:
+                metrics.OVERLAP.labels("attempt").inc()
+                self.costs.observe_predraft(gen.policy.greedy, False)
+            return await self._take_fork(gen, ahead, verdict)
+        if kept is None:
             return None
+        metrics.OVERLAP.labels("attempt").inc()
+        return await self._take_main(gen, kept, verdict)
+
+    async def _take_fork(self, gen: "_Generation", ahead: _Ahead, verdict):
+        """A rejected round's fork, if it was drafted from the token the target corrected
+        to: greedy drafting is a function of the prefix, so its tokens are a draft the
+        next round could have made (and the target checks every draft token anyway). The
+        draft's own cache then holds the committed tokens up to the fork's base only."""
+        fork = ahead.forks.get(verdict.accepted)
+        if fork is None:
+            return None
+        guess, base, task = fork
+        gen.policy.observe_runner_up(guess == verdict.next_token)
+        if guess != verdict.next_token:
+            if self.calls == "unary":
+                task.cancel()
+            return None
+        spec = await task
+        if spec is None or not spec.draft_tokens:
+            return None
+        metrics.OVERLAP.labels("fork_hit").inc()
+        gen.stats.overlap_hits += 1
+        return list(spec.draft_tokens), None, len(spec.draft_tokens), list(spec.runner_ups) or None, base
+
+    async def _take_main(self, gen: "_Generation", ahead: asyncio.Task, verdict):
+        """The main pre-draft, kept only if its bonus token is the one the draft guessed;
+        the rest was drafted on exactly the committed prefix, with the same per-position
+        randomness, so it is the draft the next round would have made."""
+        greedy = gen.policy.greedy
         spec = await ahead
         if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
             self.costs.observe_predraft(greedy, False)
@@ -287,7 +349,7 @@ class Generator:
         # a greedy proposal has no distributions
         dists = to_pb(drop_first_rows(from_pb(spec.distributions), 1)) if spec.HasField("distributions") else None
         tokens = list(spec.draft_tokens[1:])
-        return tokens, dists, len(tokens)
+        return tokens, dists, len(tokens), list(spec.runner_ups[1:]) or None, None
 
     # ----------------------------------------------------------------- the loop
     async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
@@ -307,7 +369,10 @@ class Generator:
                     break
                 await self._probe_draft_pool(gen)
                 remaining = req.max_new_tokens - len(generated)
-                draft_tokens, dists, gamma = pre or await self._draft(gen, remaining, m)
+                if pre is not None:
+                    draft_tokens, dists, gamma, gen.runner_ups, gen.line = pre
+                else:
+                    draft_tokens, dists, gamma = await self._draft(gen, remaining, m)
                 ahead = self._start_predraft(gen, draft_tokens, gamma, remaining, m)
                 verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
                 pre = None if ahead is None else await self._take_predraft(gen, ahead, verdict, gamma)
@@ -362,31 +427,67 @@ class Generator:
         if gamma == 0:
             return [], None, 0
         prop = await self._propose(gen, gamma)
+        gen.runner_ups, gen.line = None, None
         if prop is None:
             return [], None, 0
+        gen.runner_ups = list(prop.runner_ups) or None
         dists = prop.distributions if prop.HasField("distributions") else None
         return list(prop.draft_tokens), dists, len(prop.draft_tokens)  # the confidence stop may have cut it
 
     def _start_predraft(self, gen: "_Generation", draft_tokens: list[int], gamma: int, remaining: int,
-                        m: int) -> asyncio.Task | None:
+                        m: int) -> _Ahead | None:
         """Pre-draft round k+1 beside round k's verification, when that is likely to pay:
-        only when the round is likely to be accepted in full with the bonus guessed right;
-        otherwise it is draft work thrown away, which also slows the verification it runs
-        beside on shared cores."""
+        the main pre-draft when the round is likely to be accepted in full with the bonus
+        guessed right, forks (`_start_forks`) on the likely rejections; otherwise it is
+        draft work thrown away, which also slows the verification it runs beside on
+        shared cores."""
         policy = gen.policy
-        if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
-                and policy.predraft_hit(gamma) >= self.overlap_min_hit):
+        if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica):
             return None
-        if not self.costs.predraft_pays(policy.greedy, self.overlap_min_use):
-            metrics.OVERLAP.labels("skipped").inc()
-            return None
+        ahead = _Ahead()
+        # the draft's cache holds the committed tokens and the draft up to its last token,
+        # or, after a fork, the committed tokens up to gen.line: feed what it lacks
+        line = m + gamma - 1 if gen.line is None else gen.line
+        seq = gen.handle.committed + draft_tokens
         g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
-        if g2 <= 0:
-            return None
-        return asyncio.create_task(self._predraft(gen, m + gamma - 1, draft_tokens[-1], g2))
+        if g2 > 0 and policy.predraft_hit(gamma) >= self.overlap_min_hit:
+            if self.costs.predraft_pays(policy.greedy, self.overlap_min_use):
+                ahead.main = asyncio.create_task(self._predraft(gen, line, seq[line:], g2 + 1))
+            else:
+                metrics.OVERLAP.labels("skipped").inc()
+        self._start_forks(gen, ahead, seq, line, gamma, remaining, m)
+        return ahead if ahead.tasks() else None
+
+    def _forks_wanted(self, gen: "_Generation") -> bool:
+        """Whether this session pre-drafts forks: greedy (a fork's guess is the draft's
+        runner-up, the correction a greedy target most often makes), adaptive, and only
+        while sessions have the target to themselves: alone, a fork costs draft time that
+        would idle during the verification; under load it would cost other sessions."""
+        policy = gen.policy
+        return (self.overlap and self.overlap_forks > 0 and policy.greedy and policy.fixed is None
+                and self.costs.alone)
+
+    def _start_forks(self, gen: "_Generation", ahead: _Ahead, seq: list[int], line: int, gamma: int,
+                     remaining: int, m: int) -> None:
+        """Forks for the likeliest rejections: for kept length j, feed the draft's runner-up
+        at position j + 1 (what the target would correct to) on the committed tokens and the
+        first j draft tokens, and draft the next round after it."""
+        ups = gen.runner_ups
+        if not (self._forks_wanted(gen) and ups and len(ups) >= gamma):
+            return
+        chances = gen.policy.branch_chances(gamma)
+        likely = sorted((j for j in range(gamma) if chances[j] >= FORK_MIN_HIT), key=lambda j: -chances[j])
+        for j in likely[: self.overlap_forks]:
+            g = rounds.plan_gamma(gen.policy.choose(self.costs), remaining - j - 1, m + j + 1, self.max_len)
+            if g <= 0:
+                continue
+            base = min(line, m + j)
+            task = asyncio.create_task(self._predraft(gen, base, seq[base : m + j] + [ups[j]], g, fork=True))
+            ahead.forks[j] = (ups[j], base, task)
+            metrics.OVERLAP.labels("fork").inc()
 
     async def _verify_round(self, gen: "_Generation", draft_tokens: list[int],
-                            dists: replica_pb2.DraftDistributions | None, ahead: asyncio.Task | None):
+                            dists: replica_pb2.DraftDistributions | None, ahead: _Ahead | None):
         """The round's verification; a pre-draft beside it is cancelled if it fails."""
         try:
             return await self._verify(gen, draft_tokens, dists)
@@ -411,6 +512,8 @@ class Generator:
         handle = gen.handle
         handle.committed.extend(new)
         handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
+        if gen.line is not None:  # this round's draft was a fork's: the draft's cache lacks it
+            handle.cursor.draft_len = min(handle.cursor.draft_len, gen.line)
         self._count_round(gen.stats, gen.policy, gamma, verdict.accepted, verdict.keep_chances)
         return new, out_text, reason
 

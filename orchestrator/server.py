@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
+from orchestrator.generation import OVERLAP_FORKS, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
@@ -236,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="under load (sessions sharing the target's batches), pre-draft only while at least this "
                          "share of the sampling kind's pre-drafts were used, in [0, 1]; 0 = whatever their use "
                          "[SPECDEC_OVERLAP_MIN_USE]")
+    ap.add_argument("--overlap-forks", type=int, default=int(env("OVERLAP_FORKS", OVERLAP_FORKS)),
+                    help="greedy sessions while the target serves them alone: beside the main pre-draft, "
+                         "pre-draft up to this many branches a rejected round may take (each from the draft's "
+                         "runner-up token, the likeliest correction); 0 (the default) = none: on a CPU the "
+                         "draft's batch of forks tends to outlast the verification [SPECDEC_OVERLAP_FORKS]")
     ap.add_argument("--stop-below-greedy", type=float, default=float(env("STOP_BELOW_GREEDY", STOP_BELOW_GREEDY)),
                     help="adaptive greedy sessions: the draft ends a proposal after a token whose top probability "
                          "is below this, in [0, 1); 0 = off (the default: on the bundled pair it cost throughput "
@@ -273,7 +278,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.export_target_forward_ms(costs.forward.table)
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
-                          overlap_min_use=args.overlap_min_use,
+                          overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled))
     token = read_secret(args.api_token_file)
@@ -300,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("stop_below_greedy", "stop_below_sampled"):
         if not 0 <= getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
+    if not 0 <= args.overlap_forks <= 16:
+        ap.error(f"--overlap-forks must lie in 0..16, got {args.overlap_forks}")
     if not 0 <= args.overlap_min_use <= 1:
         ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
     asyncio.run(serve(args))

@@ -47,6 +47,17 @@ class KVCache:
         kv[:, :, : self.length] = self.kv[:, :, : self.length]
         self.kv = kv
 
+    def fork(self, length: int, capacity: int) -> "KVCache":
+        """A new cache holding a copy of positions 0 .. length-1, with room for `capacity`."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot fork {length} positions of a cache of {self.length}")
+        layers, heads, dim = self.shape
+        new = KVCache(layers, heads, dim, dtype=self.dtype, device=self.device,
+                      capacity=max(capacity, length, 1), max_length=self.max_length)
+        new.kv[:, :, :length] = self.kv[:, :, :length]
+        new.length = length
+        return new
+
     def truncate(self, length: int) -> None:
         """Roll back to `length` positions; nothing is copied."""
         if not 0 <= length <= self.length:

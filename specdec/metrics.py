@@ -49,7 +49,7 @@ GAMMA = Histogram("specdec_gamma", "Speculation length chosen per round", bucket
 STAGE_SECONDS = Histogram("specdec_stage_seconds", "Time per round stage", ["stage"], buckets=LATENCY_BUCKETS)
 DRAFT_STAGE, VERIFY_STAGE = STAGE_SECONDS.labels("draft"), STAGE_SECONDS.labels("verify")  # observed every round
 ACTIVE_SESSIONS = Gauge("specdec_active_generations", "Generations in flight")
-OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hits", ["outcome"])
+OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hits; forks started and used", ["outcome"])
 DRAFT_STOPS = Counter("specdec_draft_stops_total",
                       "Proposals the draft ended before the γ asked, at a token it was unsure of (stop_below)")
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",

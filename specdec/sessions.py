@@ -84,6 +84,18 @@ class SessionTable:
         raise CacheMismatch(f"session {ref.session_id}: the replica holds {length} positions but the call "
                             f"expects {ref.start} (stale, duplicated or retried call)")
 
+    def fork(self, ref: CacheRef, extra: int) -> KVCache:
+        """A private copy of the session's first `start` positions, with room for `extra`
+        more: a pre-draft of a branch the round has not taken yet writes there, so the
+        session's cache keeps the line the orchestrator's cursor knows. Not in the table:
+        it lives for one call. The copy is of the KV rows only, which for any model cost
+        less to copy than one step streams in weights."""
+        sess = self._sessions.get(ref.session_id)
+        if sess is None or sess.epoch != ref.epoch or sess.cache.length < ref.start:
+            raise CacheMismatch(f"session {ref.session_id}: no cache of epoch {ref.epoch} holding "
+                                f"{ref.start} positions to fork from")
+        return sess.cache.fork(ref.start, ref.start + len(ref.tokens) + extra)
+
     def _create(self, ref: CacheRef, busy: set[str]) -> Session:
         self._sessions.pop(ref.session_id, None)
         self._evict_for(1, busy | {ref.session_id})

@@ -81,3 +81,33 @@ def test_a_proposal_stops_after_the_first_token_the_draft_is_unsure_of(draft_mod
     assert len(sure.tokens) == 2
     off = engine.propose([ProposeJob(CacheRef("o", 1, 0, ids), GAMMA, SamplingParams(0.0), stop_below=0.0)])[0]
     assert len(off.tokens) == GAMMA
+
+
+def test_runner_ups_and_a_fork_leave_the_sessions_cache_alone(draft_model, tokenizer):
+    """runner_ups: each step's largest other token. fork: a branch drafted from a runner-up
+    in a private copy of the session's cache, in one batch with the session's own next
+    proposal: the fork drafts what a fresh session drafts on that prefix, and the session's
+    own proposal is what it would have been without the fork beside it."""
+    engine = DraftEngine(ModelRunner(draft_model))
+    ids = tokenizer("def walk(root):\n    for name in ")["input_ids"]
+    greedy = SamplingParams(0.0)
+    first = engine.propose([ProposeJob(CacheRef("s", 1, 0, ids), GAMMA, greedy, runner_ups=True)])[0]
+    assert len(first.runner_ups) == GAMMA and all(a != b for a, b in zip(first.tokens, first.runner_ups))
+    logits = draft_model(torch.tensor([ids + first.tokens])).logits[0, len(ids) - 1 : len(ids) - 1 + GAMMA]
+    assert [int(row.topk(2).indices[1]) for row in logits] == first.runner_ups
+    j = 2  # the branch: the first two draft tokens kept, the third corrected to its runner-up
+    branch = ids + first.tokens[:j] + [first.runner_ups[j]]
+    fork_job = ProposeJob(CacheRef("s", 1, len(ids) + j, [first.runner_ups[j]]), GAMMA, greedy,
+                          runner_ups=True, fork=True)
+    own_job = ProposeJob(CacheRef("s", 1, len(ids) + GAMMA - 1, first.tokens[-1:]), GAMMA, greedy)
+    fork, own = engine.propose([fork_job, own_job])
+    fresh = DraftEngine(ModelRunner(draft_model))
+    assert fork.tokens == fresh.propose([ProposeJob(CacheRef("f", 1, 0, branch), GAMMA, greedy)])[0].tokens
+    alone = fresh.propose([ProposeJob(CacheRef("o", 1, 0, ids + first.tokens), GAMMA, greedy)])[0]
+    assert own.tokens == alone.tokens
+    assert engine.sessions._sessions["s"].cache.length == len(ids) + 2 * GAMMA - 1
+    # a fork needs the session's cache to hold its base
+    bad = engine.propose([ProposeJob(CacheRef("s", 1, len(ids) + 50, [1]), 1, greedy, fork=True)])[0]
+    assert type(bad).__name__ == "CacheMismatch"
+    sampled = engine.propose([ProposeJob(CacheRef("t", 1, 0, ids), 2, SamplingParams(1.0), runner_ups=True)])[0]
+    assert type(sampled).__name__ == "InvalidRequest"

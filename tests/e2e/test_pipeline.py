@@ -150,6 +150,30 @@ def test_overlapped_drafting_keeps_the_output_exact(local_stack, target_model, t
         local_stack.orchestrators.remove(eager)
 
 
+
+@pytest.mark.parametrize("calls", ["mux", "unary"])
+def test_forked_pre_drafts_keep_greedy_output_exact(local_stack, target_model, tokenizer, heldout_prompts, calls):
+    """An orchestrator that forks on every likely rejection (--overlap-forks 8): greedy
+    output is still the target's own, forks were started and some were used, over
+    multiplexed streams and over unary calls (where a wasted fork is cancelled)."""
+    from localstack.stack import free_port, scrape_metrics
+
+    port = free_port()
+    forking = local_stack.start_orchestrator(extra=["--overlap-forks", "8", "--internal-calls", calls,
+                                                    "--metrics-port", str(port)])
+    try:
+        stub = api(forking.address)
+        for prompt in heldout_prompts[6:10]:
+            ids = tokenizer(prompt)["input_ids"]
+            expected = target_greedy(target_model, ids, 48, tokenizer.eos_token_id)
+            assert list(stub.Generate(request(prompt, 48, 0.0), timeout=120).token_ids) == expected
+        metrics = scrape_metrics(port)
+        assert metrics['specdec_overlap_total{outcome="fork"}'] > 0
+        assert metrics.get('specdec_overlap_total{outcome="fork_hit"}', 0) > 0, "no fork was ever used"
+    finally:
+        local_stack.kill(forking, sig=15)
+        local_stack.orchestrators.remove(forking)
+
 def test_unary_internal_calls_give_the_same_tokens_as_round_streams(local_stack):
     """--internal-calls unary (one unary call per request, no streams) is the same loop:
     greedy and seeded fixed-γ sampling give the streams' tokens, with no stream opened."""

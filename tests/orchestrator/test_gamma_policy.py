@@ -258,6 +258,22 @@ def test_pre_drafting_stops_where_the_bonus_guess_is_seldom_right():
     assert policy.predraft_hit(2) > first
 
 
+
+def test_branch_chances_are_the_kept_length_times_the_runner_up_rate():
+    """A fork for kept length j is used when the round keeps exactly j tokens and the
+    target corrects the next to the draft's runner-up; the runner-up rate is learnt."""
+    policy = SessionPolicy(accepted=80.0, trials=100.0, greedy=True)
+    chances = policy.branch_chances(3)
+    assert chances == pytest.approx([0.2 / 3, 0.8 * 0.2 / 3, 0.64 * 0.2 / 3])
+    # with the main pre-draft's all-kept case, the kept lengths cover everything
+    assert sum(c * 3 for c in chances) + 0.8 ** 3 == pytest.approx(1.0)
+    for _ in range(30):
+        policy.observe_runner_up(True)
+    assert policy.branch_chances(3)[0] > 0.15
+    for _ in range(60):
+        policy.observe_runner_up(False)
+    assert policy.branch_chances(3)[0] < 0.02
+
 def _loaded(forward_ms, batch: int, gammas=range(7), repeats: int = 10) -> CostModel:
     """A cost model that has seen loaded rounds of every γ in `gammas`, each verified in a
     batch of `batch` sessions feeding γ + 1 rows each, the forward costing forward_ms(rows)."""

@@ -49,32 +49,38 @@ class CacheRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("cache", "num_tokens", "sampling", "guess_bonus", "stop_below")
+    __slots__ = ("cache", "num_tokens", "sampling", "guess_bonus", "stop_below", "runner_ups", "fork")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GUESS_BONUS_FIELD_NUMBER: _ClassVar[int]
     STOP_BELOW_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UPS_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     num_tokens: int
     sampling: SamplingParams
     guess_bonus: bool
     stop_below: float
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., guess_bonus: _Optional[bool] = ..., stop_below: _Optional[float] = ...) -> None: ...
+    runner_ups: bool
+    fork: bool
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., guess_bonus: _Optional[bool] = ..., stop_below: _Optional[float] = ..., runner_ups: _Optional[bool] = ..., fork: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "distributions", "cache_length", "compute_ms", "batch_size")
+    __slots__ = ("draft_tokens", "distributions", "cache_length", "compute_ms", "batch_size", "runner_ups")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UPS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     distributions: DraftDistributions
     cache_length: int
     compute_ms: float
     batch_size: int
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    runner_ups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., runner_ups: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("cache", "draft_tokens", "distributions", "sampling")
