@@ -282,7 +282,8 @@ class Generator:
             num_tokens=num_tokens, sampling=gen.params_pb, guess_bonus=not fork, stop_below=gen.stop_below,
             runner_ups=self._forks_wanted(gen), fork=fork)
         try:
-            resp = await gen.links.propose(handle.draft_replica, request, self._timeout(gen.deadline))
+            resp = await gen.links.propose(handle.draft_replica, request, self._timeout(gen.deadline),
+                                           ordered=not fork)
         except (grpc.aio.AioRpcError, DeadlineExceeded):
             return None
         gen.stats.wire_bytes += resp.ByteSize()

@@ -82,7 +82,9 @@ CALL_MODES = ("mux", "stream", "unary")
 class SessionLinks:
     """A generation's calls to the pools, in one of three ways (`mode`):
     - "mux": over the process's one shared stream per replica (orchestrator.mux_link),
-      one call at a time per replica for this generation;
+      one call at a time per replica for this generation, except calls that need no
+      order (`ordered` False: a fork drafts in a private copy of the cache, so it can go
+      in the same message as the pre-draft beside it);
     - "stream": over one RoundStream per replica of its own;
     - "unary": as plain unary calls (e.g. behind a proxy that dislikes long streams)."""
 
@@ -105,20 +107,22 @@ class SessionLinks:
             link = self._open[(kind, address)] = RoundStream(opener, f"{kind} replica {address}", kind)
         return link
 
-    async def _call(self, kind: str, address: str, request, timeout: float):
+    async def _call(self, kind: str, address: str, request, timeout: float, ordered: bool = True):
         if self.mode == "stream":
             return await self._stream(kind, address).call(request, timeout)
         if self.mode == "unary":
             unary = self.pools.draft(address).Propose if kind == "draft" else self.pools.target(address).Verify
             return await unary(request, timeout=timeout)
+        if not ordered:
+            return await self.pools.mux(kind, address).call(request, timeout)
         lock = self._locks.get((kind, address))
         if lock is None:
             lock = self._locks[(kind, address)] = asyncio.Lock()
         async with lock:  # in order, as on a stream of its own: a pre-draft, then the next call
             return await self.pools.mux(kind, address).call(request, timeout)
 
-    async def propose(self, address: str, request, timeout: float):
-        return await self._call("draft", address, request, timeout)
+    async def propose(self, address: str, request, timeout: float, ordered: bool = True):
+        return await self._call("draft", address, request, timeout, ordered)
 
     async def verify(self, address: str, request, timeout: float):
         return await self._call("target", address, request, timeout)
