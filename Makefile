@@ -34,7 +34,7 @@ demo: setup  ## bring the stack up, stream a few completions with stats and spee
 	$(PY) -m localstack demo
 
 test: setup  ## all tests (unit, statistical, end-to-end against real Redis, gRPC and models)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=12 tests
 
 test-fast: setup  ## tests without the slow end-to-end ones
 	$(PY) -m pytest -q -m "not e2e" tests
