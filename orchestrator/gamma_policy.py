@@ -447,14 +447,17 @@ class SessionPolicy:
         pair, against 0.20 for independent draws (Σ p·q); the rate still varies with the
         text, so it is learnt per session from the fully accepted rounds, not assumed. A
         function of the session's own tokens, so a seeded request stays reproducible."""
-        rates = self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma
-        return math.prod(rates[:gamma]) * self.guess_rate
+        return math.prod(self._rates(gamma)[:gamma]) * self.guess_rate
+
+    def _rates(self, gamma: int) -> list[float]:
+        """The per-position rates of the last choice, or one α where it priced fewer positions."""
+        return self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma
 
     def branch_chances(self, gamma: int) -> list[float]:
         """For j = 0 .. γ − 1, the chance that a fork pre-drafted from the draft's runner-up at
         position j + 1 gets used: the round keeps exactly j tokens and the target corrects
         the next to that runner-up. A greedy session's own rates, so no load enters."""
-        rates = self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma
+        rates = self._rates(gamma)
         rate = self.runner_up_right / self.runner_up_tries
         return [math.prod(rates[:j]) * (1.0 - rates[j]) * rate for j in range(gamma)]
 

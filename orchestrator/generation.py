@@ -439,24 +439,36 @@ class Generator:
                         m: int) -> _Ahead | None:
         """Pre-draft round k+1 beside round k's verification, when that is likely to pay:
         the main pre-draft when the round is likely to be accepted in full with the bonus
-        guessed right, forks (`_start_forks`) on the likely rejections; otherwise it is
+        guessed right, forks (`_likely_forks`) on the likely rejections; otherwise it is
         draft work thrown away, which also slows the verification it runs beside on
         shared cores."""
         policy = gen.policy
         if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica):
             return None
+        main = policy.predraft_hit(gamma) >= self.overlap_min_hit
+        if main and not self.costs.predraft_pays(policy.greedy, self.overlap_min_use):
+            metrics.OVERLAP.labels("skipped").inc()
+            main = False
+        forks = self._likely_forks(gen, gamma)
+        if not (main or forks):
+            return None
+        want = policy.choose(self.costs)  # one choice a round: choose counts the rounds it makes
         ahead = _Ahead()
         # the draft's cache holds the committed tokens and the draft up to its last token,
         # or, after a fork, the committed tokens up to gen.line: feed what it lacks
         line = m + gamma - 1 if gen.line is None else gen.line
         seq = gen.handle.committed + draft_tokens
-        g2 = rounds.plan_gamma(policy.choose(self.costs), remaining - gamma - 1, m + gamma + 1, self.max_len)
-        if g2 > 0 and policy.predraft_hit(gamma) >= self.overlap_min_hit:
-            if self.costs.predraft_pays(policy.greedy, self.overlap_min_use):
-                ahead.main = asyncio.create_task(self._predraft(gen, line, seq[line:], g2 + 1))
-            else:
-                metrics.OVERLAP.labels("skipped").inc()
-        self._start_forks(gen, ahead, seq, line, gamma, remaining, m)
+        g2 = rounds.plan_gamma(want, remaining - gamma - 1, m + gamma + 1, self.max_len) if main else 0
+        if g2 > 0:
+            ahead.main = asyncio.create_task(self._predraft(gen, line, seq[line:], g2 + 1))
+        for j in forks:
+            g = rounds.plan_gamma(want, remaining - j - 1, m + j + 1, self.max_len)
+            if g > 0:
+                base = min(line, m + j)
+                feed = seq[base : m + j] + [gen.runner_ups[j]]
+                task = asyncio.create_task(self._predraft(gen, base, feed, g, fork=True))
+                ahead.forks[j] = (gen.runner_ups[j], base, task)
+                metrics.OVERLAP.labels("fork").inc()
         return ahead if ahead.tasks() else None
 
     def _forks_wanted(self, gen: "_Generation") -> bool:
@@ -468,24 +480,16 @@ class Generator:
         return (self.overlap and self.overlap_forks > 0 and policy.greedy and policy.fixed is None
                 and self.costs.alone)
 
-    def _start_forks(self, gen: "_Generation", ahead: _Ahead, seq: list[int], line: int, gamma: int,
-                     remaining: int, m: int) -> None:
-        """Forks for the likeliest rejections: for kept length j, feed the draft's runner-up
-        at position j + 1 (what the target would correct to) on the committed tokens and the
-        first j draft tokens, and draft the next round after it."""
+    def _likely_forks(self, gen: "_Generation", gamma: int) -> list[int]:
+        """The kept lengths j worth a fork, likeliest first: each fork feeds the draft's
+        runner-up at position j + 1 (what the target would correct to) on the committed
+        tokens and the first j draft tokens, and drafts the next round after it."""
         ups = gen.runner_ups
         if not (self._forks_wanted(gen) and ups and len(ups) >= gamma):
-            return
+            return []
         chances = gen.policy.branch_chances(gamma)
         likely = sorted((j for j in range(gamma) if chances[j] >= FORK_MIN_HIT), key=lambda j: -chances[j])
-        for j in likely[: self.overlap_forks]:
-            g = rounds.plan_gamma(gen.policy.choose(self.costs), remaining - j - 1, m + j + 1, self.max_len)
-            if g <= 0:
-                continue
-            base = min(line, m + j)
-            task = asyncio.create_task(self._predraft(gen, base, seq[base : m + j] + [ups[j]], g, fork=True))
-            ahead.forks[j] = (ups[j], base, task)
-            metrics.OVERLAP.labels("fork").inc()
+        return likely[: self.overlap_forks]
 
     async def _verify_round(self, gen: "_Generation", draft_tokens: list[int],
                             dists: replica_pb2.DraftDistributions | None, ahead: _Ahead | None):
