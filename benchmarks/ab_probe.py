@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=1)
     try:
         stack.start_redis()
-        stack.start_replica("target")
-        stack.start_replica("draft")
-        addresses = {name: stack.start_orchestrator(extra=flags).address for name, flags in arms}
-        stack.wait_registered(1, 1)
+        stack.start_replica("target", wait=False)
+        stack.start_replica("draft", wait=False)
+        addresses = {name: stack.start_orchestrator(wait=False, extra=flags).address for name, flags in arms}
+        stack.wait_all(1, 1)
         results = asyncio.run(alternate(addresses, prompt_ids, runs, args.rounds, args.per_stream,
                                         args.max_new_tokens, args.warm_up))
     finally:

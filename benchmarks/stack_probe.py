@@ -191,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.start_redis()
         pids = {}
         for pool, port in ports.items():
-            pids[pool] = stack.start_replica(pool, extra=["--metrics-port", str(port)]).proc.pid
+            pids[pool] = stack.start_replica(pool, wait=False, extra=["--metrics-port", str(port)]).proc.pid
         orchestrator_port = free_port()
         pids["orchestrator"] = stack.start_orchestrator(
-            extra=["--metrics-port", str(orchestrator_port), *shlex.split(args.orchestrator_args)]).proc.pid
-        stack.wait_registered(1, 1)
+            wait=False, extra=["--metrics-port", str(orchestrator_port), *shlex.split(args.orchestrator_args)]).proc.pid
+        stack.wait_all(1, 1)
         asyncio.run(probe(stack.orchestrator_address, ports, prompt_ids, configs, args.per_stream,
                           args.max_new_tokens, args.warm_up, pids, args.systems, orchestrator_port))
     finally:

