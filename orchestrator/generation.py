@@ -364,6 +364,7 @@ class Generator:
         metrics.ACTIVE_SESSIONS.inc()
         try:
             while len(generated) < req.max_new_tokens:
+                t_round, calls_before = time.perf_counter(), gen.stats.draft_ms + gen.stats.verify_ms
                 m = len(handle.committed)
                 if m >= self.max_len:
                     reason = "context"
@@ -375,12 +376,15 @@ class Generator:
                 else:
                     draft_tokens, dists, gamma = await self._draft(gen, remaining, m)
                 ahead = self._start_predraft(gen, draft_tokens, gamma, remaining, m)
+                plain = pre is None and ahead is None and bool(generated)  # own calls only, past the prefill
                 verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
                 pre = None if ahead is None else await self._take_predraft(gen, ahead, verdict, gamma)
                 new, out_text, reason = self._apply(gen, m, gamma, draft_tokens, verdict)
                 generated.extend(new)
                 if pending is not None:
                     await pending  # rounds are committed and streamed in order
+                if plain:
+                    self._observe_round(gen, t_round, calls_before)
                 # the next round's calls overlap this round's Redis round trip; its tokens
                 # reach the client only once they are committed
                 pending = asyncio.ensure_future(
@@ -400,6 +404,13 @@ class Generator:
         metrics.TOKENS.inc(len(generated))
         return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
                        handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
+
+    def _observe_round(self, gen: "_Generation", t_round: float, calls_before: float) -> None:
+        """The round's time outside its two calls (the loop's own work, waiting for the
+        previous commit), which the cost model adds to every γ's round: paid once a round,
+        it favours rounds that yield more tokens."""
+        calls = gen.stats.draft_ms + gen.stats.verify_ms - calls_before
+        self.costs.observe_round_overhead((time.perf_counter() - t_round) * 1000 - calls)
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
         p = req.params

@@ -85,6 +85,27 @@ def test_choices_read_round_times_at_most_a_few_calls_old():
     assert costs.round_table(8) == [costs.round_ms(g) for g in range(9)]
 
 
+def test_a_rounds_own_overhead_is_priced_once_a_round_and_only_while_alone():
+    """Time a round spends outside its calls is paid whatever γ is: counting it lifts every
+    γ's round by the same amount, so a round of one token (γ = 0) loses the small margin
+    that call times alone gave it."""
+    costs = CostModel()
+    _observe(costs, [2] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    alpha = 0.3  # speculation only just loses on call times alone
+    tps = [expected_tokens(alpha, g) / costs.round_ms(g) for g in range(9)]
+    assert tps.index(max(tps)) == 0 and max(tps[1:]) > 0.9 * tps[0]
+    before = [costs.round_ms(g) for g in range(9)]
+    for _ in range(50):
+        costs.observe_round_overhead(6.0)
+    assert [costs.round_ms(g) - b for g, b in zip(range(9), before)] == pytest.approx([6.0] * 9)
+    assert _policy(alpha).choose(costs) > 0
+    busy = CostModel()
+    _observe(busy, [4] * 50, net=2.0, draft_step=3.0, target_step=30.0, batch=16)
+    loaded = busy.round_ms(4)
+    busy.observe_round_overhead(6.0)  # under load a session's own overhead overlaps the others' work
+    assert busy.round_ms(4) == loaded
+
+
 def test_measured_times_per_gamma_replace_the_linear_model():
     costs = CostModel()
     _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
