@@ -29,7 +29,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 
 def format_stats(s: pb.GenerationStats) -> str:
     t = s.times
-    return (f"[{s.generated_tokens} tokens in {t.total_ms:.0f} ms = {1000 * s.generated_tokens / max(t.total_ms, 1e-9):.1f} tok/s; "
+    return (f"[{s.generated_tokens} tokens in {t.total_ms:.0f} ms = {1000 * s.generated_tokens / max(t.total_ms, 1e-9):.1f} tok/s, "
+            f"first after {t.first_token_ms:.0f} ms; "
             f"rounds {s.rounds}, mean γ {s.mean_gamma:.2f}, acceptance {s.acceptance_rate:.2f}, "
             f"{s.tokens_per_target_pass:.2f} tokens/target pass; draft {t.draft_ms:.0f} ms, verify {t.verify_ms:.0f} ms, "
             f"network {t.network_ms:.0f} ms, redis {t.redis_ms:.0f} ms; seed {s.seed}]")

@@ -70,6 +70,8 @@ class Stats(LoopStats):
     failovers: int = 0
     wire_bytes: int = 0
     overlap_hits: int = 0
+    started: float = 0.0  # perf_counter at the request's start
+    first_token_ms: float = 0.0  # from the start until the first tokens were handed to the client (0: none yet)
 
 
 @dataclass
@@ -358,6 +360,7 @@ class Generator:
         owner = f"{id(self)}:{random.getrandbits(32)}"
         handle = await self._open(req, owner)
         gen = self._begin(req, handle, deadline)
+        gen.stats.started = t_start
         generated, reason = [], "length"
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         pending: asyncio.Future | None = None  # the previous round's commit, then its emit
@@ -558,6 +561,8 @@ class Generator:
         await commit
         stats.redis_ms += (time.perf_counter() - t0) * 1000
         await emit(text, new)
+        if new and not stats.first_token_ms:
+            stats.first_token_ms = (time.perf_counter() - stats.started) * 1000
 
     async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str,
                      pending: asyncio.Future | None = None, links: SessionLinks | None = None) -> None:

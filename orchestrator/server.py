@@ -43,7 +43,19 @@ def stats_pb(out: Outcome) -> pb.GenerationStats:
         mean_gamma=s.gamma_sum / s.rounds if s.rounds else 0.0, replica_failovers=s.failovers,
         wire_bytes=s.wire_bytes, overlap_hits=s.overlap_hits, rounds_rejected=s.rejections,
         times=pb.StageTimes(draft_ms=s.draft_ms, verify_ms=s.verify_ms, redis_ms=s.redis_ms,
-                            network_ms=s.network_ms, total_ms=out.total_ms))
+                            network_ms=s.network_ms, total_ms=out.total_ms, first_token_ms=s.first_token_ms))
+
+
+def observe_latency(method: str, out: Outcome) -> None:
+    """A successful request's latencies, as a platform team sets its objectives on them:
+    the whole call, the first chunk of a stream, and the time per token after the first
+    (a round yields several tokens, so the first chunk may hold more than one)."""
+    metrics.REQUEST_SECONDS.labels(method).observe(out.total_ms / 1000)
+    first = out.stats.first_token_ms
+    if first and method == "GenerateStream":
+        metrics.FIRST_TOKEN_SECONDS.observe(first / 1000)
+    if first and len(out.tokens) >= 2:
+        metrics.TOKEN_SECONDS.labels(method).observe((out.total_ms - first) / (len(out.tokens) - 1) / 1000)
 
 
 class _BadMessage:
@@ -104,6 +116,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             metrics.REQUESTS.labels("Generate", status_of(exc).name).inc()
             await abort(context, exc)
         metrics.REQUESTS.labels("Generate", "OK").inc()
+        observe_latency("Generate", out)
         return pb.GenerateResponse(text="".join(text), token_ids=out.tokens, session_id=out.session_id,
                                    finish_reason=FINISH[out.finish_reason], stats=stats_pb(out))
 
@@ -141,6 +154,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 except (asyncio.CancelledError, SpecDecError):
                     pass
         metrics.REQUESTS.labels("GenerateStream", "OK").inc()
+        observe_latency("GenerateStream", out)
         yield pb.GenerateStreamResponse(session_id=out.session_id, finish_reason=FINISH[out.finish_reason],
                                         stats=stats_pb(out))
 

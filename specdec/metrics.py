@@ -22,6 +22,15 @@ EVICTIONS = Counter("specdec_replica_evictions_total", "Idle sessions evicted (L
 
 # orchestrator
 REQUESTS = Counter("specdec_requests_total", "Generation requests by outcome", ["method", "code"])
+REQUEST_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
+REQUEST_SECONDS = Histogram("specdec_request_seconds", "Wall time of generation requests that succeeded",
+                            ["method"], buckets=REQUEST_BUCKETS)
+FIRST_TOKEN_SECONDS = Histogram("specdec_time_to_first_token_seconds",
+                                "From a stream's arrival to its first chunk of tokens (GenerateStream)",
+                                buckets=REQUEST_BUCKETS)
+TOKEN_SECONDS = Histogram("specdec_time_per_output_token_seconds",
+                          "Per request of two tokens or more: the time after its first token, per later token",
+                          ["method"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
 TOKENS = Counter("specdec_generated_tokens_total", "Tokens generated")
 ROUNDS = Counter("specdec_rounds_total", "Speculation rounds")
 DRAFTED = Counter("specdec_drafted_tokens_total", "Draft tokens proposed")

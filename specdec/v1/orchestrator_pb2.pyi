@@ -47,18 +47,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., keep_session: _Optional[bool] = ...) -> None: ...
 
 class StageTimes(_message.Message):
-    __slots__ = ("draft_ms", "verify_ms", "redis_ms", "network_ms", "total_ms")
+    __slots__ = ("draft_ms", "verify_ms", "redis_ms", "network_ms", "total_ms", "first_token_ms")
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     REDIS_MS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     draft_ms: float
     verify_ms: float
     redis_ms: float
     network_ms: float
     total_ms: float
-    def __init__(self, draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., redis_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    first_token_ms: float
+    def __init__(self, draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., redis_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "target_forward_passes", "acceptance_rate", "tokens_per_target_pass", "prompt_tokens", "generated_tokens", "times", "seed", "draft_replica", "target_replica", "mean_gamma", "replica_failovers", "wire_bytes", "overlap_hits", "rounds_rejected")

@@ -17,7 +17,19 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
     target = local_stack.start_replica("target", extra=["--metrics-port", str(target_port), "--max-sessions", "1"])
     try:
         r = api(orch.address).Generate(request("def area(r):\n", 24, 0.0, gamma=4), timeout=120)
+        chunks = list(api(orch.address).GenerateStream(request("def area(r):\n", 24, 0.0), timeout=120))
+        times = chunks[-1].stats.times
+        assert 0 < times.first_token_ms < times.total_ms  # the first chunk left before the last
+        assert 0 < r.stats.times.first_token_ms <= r.stats.times.total_ms
         m = scrape_metrics(orch_port)
+        # latencies of the two requests: whole calls, the stream's first chunk, per later token
+        assert m['specdec_request_seconds_count{method="Generate"}'] == 1
+        assert m['specdec_request_seconds_count{method="GenerateStream"}'] == 1
+        assert m["specdec_time_to_first_token_seconds_count"] == 1  # streams only
+        assert m["specdec_time_to_first_token_seconds_sum"] == pytest.approx(times.first_token_ms / 1000)
+        per_token = (times.total_ms - times.first_token_ms) / (len(sum((list(c.token_ids) for c in chunks), [])) - 1)
+        assert m['specdec_time_per_output_token_seconds_sum{method="GenerateStream"}'] == pytest.approx(per_token / 1000)
+        assert m['specdec_time_per_output_token_seconds_count{method="Generate"}'] == 1
         assert m["specdec_rounds_total"] >= r.stats.rounds
         assert m["specdec_drafted_tokens_total"] >= r.stats.drafted_tokens > 0
         assert m['specdec_drafted_at_position_total{position="0"}'] >= 1
