@@ -5,7 +5,8 @@ Two independent checks per object:
              errors), through the kubernetes-validate package;
   typed    - the object loads into the `kubernetes` client's typed model (V1Deployment, ...)
              and serialises back to exactly the same dict, so no field was dropped.
-Custom resources (KEDA) have neither; they get a small structural check instead.
+Custom resources (KEDA, the Prometheus Operator) have neither; they get a small structural
+check instead.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import kubernetes.client
 import kubernetes_validate
 
 KUBERNETES_VERSION = "1.33"
-CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}
+CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor"),
+                ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 @dataclass(frozen=True)
@@ -70,14 +72,54 @@ def check_typed(obj: dict) -> list[Problem]:
 
 
 def check_custom(obj: dict) -> list[Problem]:
+    spec = obj.get("spec", {})
+    check = {"ScaledObject": _scaled_object, "PodMonitor": _pod_monitor, "PrometheusRule": _prometheus_rule}
+    return [Problem(object_name(obj), "custom", p) for p in check[obj["kind"]](spec)]
+
+
+def _scaled_object(spec: dict) -> list[str]:
     problems = []
-    if obj["kind"] == "ScaledObject":
-        spec = obj.get("spec", {})
-        if not spec.get("scaleTargetRef", {}).get("name"):
-            problems.append("spec.scaleTargetRef.name is required")
-        if not spec.get("triggers"):
-            problems.append("spec.triggers must not be empty")
-    return [Problem(object_name(obj), "custom", p) for p in problems]
+    if not spec.get("scaleTargetRef", {}).get("name"):
+        problems.append("spec.scaleTargetRef.name is required")
+    if not spec.get("triggers"):
+        problems.append("spec.triggers must not be empty")
+    return problems
+
+
+def _pod_monitor(spec: dict) -> list[str]:
+    problems = []
+    if not spec.get("selector", {}).get("matchLabels"):
+        problems.append("spec.selector.matchLabels must not be empty (an empty selector scrapes every pod)")
+    endpoints = spec.get("podMetricsEndpoints") or []
+    if not endpoints:
+        problems.append("spec.podMetricsEndpoints must not be empty")
+    problems += [f"spec.podMetricsEndpoints[{i}].port is required" for i, e in enumerate(endpoints) if not e.get("port")]
+    return problems
+
+
+def _prometheus_rule(spec: dict) -> list[str]:
+    """What the operator's admission webhook would refuse, and what an alert needs to be
+    acted on: each rule records or alerts (not both) on an expression; an alert has a
+    severity and a summary."""
+    problems = []
+    groups = spec.get("groups") or []
+    if not groups:
+        problems.append("spec.groups must not be empty")
+    names = [g.get("name") for g in groups]
+    if len(set(names)) != len(names) or not all(names):
+        problems.append("every group needs a name of its own")
+    for g in groups:
+        for i, rule in enumerate(g.get("rules") or [None]):
+            where = f"group {g.get('name')} rule {i}"
+            if not isinstance(rule, dict) or not str(rule.get("expr", "")).strip():
+                problems.append(f"{where}: expr is required")
+                continue
+            if bool(rule.get("record")) == bool(rule.get("alert")):
+                problems.append(f"{where}: set exactly one of record and alert")
+            if rule.get("alert") and not (rule.get("labels", {}).get("severity")
+                                          and rule.get("annotations", {}).get("summary")):
+                problems.append(f"{where}: an alert needs labels.severity and annotations.summary")
+    return problems
 
 
 def check_object(obj: dict, version: str = KUBERNETES_VERSION) -> list[Problem]:

@@ -13,7 +13,7 @@ import pytest
 from deploy import OVERLAYS
 from deploy.cluster import referenced_secrets
 from deploy.render import find_kubectl, kustomize_version, render_objects
-from deploy.validate import check_schema, check_typed, to_typed
+from deploy.validate import CUSTOM_KINDS, check_custom, check_schema, check_typed, to_typed
 
 POOLS = {"draft": 50061, "target": 50071}
 SERVICES = {**POOLS, "orchestrator": 50051}
@@ -103,14 +103,14 @@ def test_every_overlay_renders_into_one_namespace(rendered, overlay):
 @pytest.mark.parametrize("version", ["1.33", kubernetes_validate.utils.latest_version()])
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_objects_validate_against_the_openapi_schemas(rendered, overlay, version):
-    builtin = [o for o in rendered[overlay] if o["kind"] != "ScaledObject"]
+    builtin = [o for o in rendered[overlay] if (o["apiVersion"], o["kind"]) not in CUSTOM_KINDS]
     problems = [p for obj in builtin for p in check_schema(obj, version)]
     assert not problems, "\n".join(map(str, problems))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_objects_load_into_the_typed_models(rendered, overlay):
-    builtin = [o for o in rendered[overlay] if o["kind"] != "ScaledObject"]
+    builtin = [o for o in rendered[overlay] if (o["apiVersion"], o["kind"]) not in CUSTOM_KINDS]
     problems = [p for obj in builtin for p in check_typed(obj)]
     assert not problems, "\n".join(map(str, problems))
     deployment = to_typed(find(rendered[overlay], "Deployment", "specdec-draft"))
@@ -120,7 +120,10 @@ def test_objects_load_into_the_typed_models(rendered, overlay):
 
 def test_custom_resources_appear_only_in_the_keda_overlay(rendered):
     for overlay in ("cpu", "gpu"):
-        assert all(o["apiVersion"] != "keda.sh/v1alpha1" for o in rendered[overlay])
+        assert all((o["apiVersion"], o["kind"]) not in CUSTOM_KINDS for o in rendered[overlay])
+    custom = [o for o in rendered["gpu-keda"] if (o["apiVersion"], o["kind"]) in CUSTOM_KINDS]
+    assert sorted(o["kind"] for o in custom) == ["PodMonitor", "PrometheusRule", "ScaledObject", "ScaledObject"]
+    assert not [p for o in custom for p in check_custom(o)]
     scaled = [o for o in rendered["gpu-keda"] if o["kind"] == "ScaledObject"]
     assert {o["spec"]["scaleTargetRef"]["name"] for o in scaled} == {"specdec-draft", "specdec-target"}
     for o in scaled:
@@ -439,3 +442,53 @@ def test_services_read_the_redis_password_from_the_same_secret(rendered):
         assert env["SPECDEC_REDIS_PASSWORD_FILE"] == mount["mountPath"] + "/password"
         volume = [v for v in spec["volumes"] if v["name"] == "redis-password"][0]
         assert volume["secret"]["secretName"] == redis_secret
+
+
+# ---- monitoring (Prometheus Operator) ----
+
+def _exported_metric_names() -> set[str]:
+    """Every sample name the processes can export (specdec/metrics.py and the γ policy's
+    table gauge), as PromQL sees them."""
+    import specdec.metrics  # noqa: F401  (registers the collectors)
+    from prometheus_client import REGISTRY
+
+    names = set()
+    for family in REGISTRY.collect():
+        names |= {family.name + suffix for suffix in ("", "_total", "_bucket", "_count", "_sum", "_created")}
+    return names
+
+
+def test_the_rules_read_only_metrics_the_code_exports(rendered):
+    rule = find(rendered["gpu-keda"], "PrometheusRule", "specdec")
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    used = {m for e in exprs for m in re.findall(r"\bspecdec_[a-z_]+", e)}
+    assert {"specdec_time_to_first_token_seconds_bucket", "specdec_requests_total"} <= used
+    assert not used - _exported_metric_names(), "rules name metrics nobody exports"
+    recorded = {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
+    read = {m for e in exprs for m in re.findall(r"\bspecdec:[a-z_0-9:]+", e)}
+    assert read <= recorded, "alerts read recording rules that do not exist"
+    for query in (o["spec"]["triggers"][0]["metadata"]["query"]
+                  for o in rendered["gpu-keda"] if o["kind"] == "ScaledObject"):
+        assert set(re.findall(r"\bspecdec_[a-z_]+", query)) <= _exported_metric_names()
+
+
+def test_the_pod_monitor_scrapes_the_pools_metrics_ports(rendered):
+    objs = rendered["gpu-keda"]
+    monitor = find(objs, "PodMonitor", "specdec")
+    port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    for component in ("orchestrator", "draft", "target"):
+        assert labels_match(monitor["spec"]["selector"], pod_labels(objs, component))
+        assert port in {p["name"] for p in main_container(objs, component)["ports"]}
+
+
+def test_a_rule_without_an_expression_or_a_severity_is_refused():
+    bad = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"},
+           "spec": {"groups": [{"name": "g", "rules": [{"record": "a", "alert": "b", "expr": "up"},
+                                                         {"alert": "c", "expr": "up"}, {"record": "d"}]}]}}
+    problems = [p.message for p in check_custom(bad)]
+    assert len(problems) == 4  # rule 0 both kinds and no severity, rule 1 no severity, rule 2 no expr
+    assert any("exactly one of record and alert" in p for p in problems)
+    assert any("labels.severity" in p for p in problems) and any("expr is required" in p for p in problems)
+    empty = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "y"},
+             "spec": {"selector": {}, "podMetricsEndpoints": [{}]}}
+    assert len(check_custom(empty)) == 2
