@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import kubernetes.client
 import kubernetes_validate
+import promql_parser
 
 KUBERNETES_VERSION = "1.33"
 CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor"),
@@ -83,7 +84,20 @@ def _scaled_object(spec: dict) -> list[str]:
         problems.append("spec.scaleTargetRef.name is required")
     if not spec.get("triggers"):
         problems.append("spec.triggers must not be empty")
+    for i, trigger in enumerate(spec.get("triggers") or []):
+        query = trigger.get("metadata", {}).get("query") if trigger.get("type") == "prometheus" else None
+        if query is not None and (error := promql_error(query)):
+            problems.append(f"spec.triggers[{i}].metadata.query: {error}")
     return problems
+
+
+def promql_error(expr: str) -> str | None:
+    """Why Prometheus would refuse `expr`, or None."""
+    try:
+        promql_parser.parse(expr)
+    except ValueError as e:
+        return f"not PromQL: {e}"
+    return None
 
 
 def _pod_monitor(spec: dict) -> list[str]:
@@ -114,6 +128,8 @@ def _prometheus_rule(spec: dict) -> list[str]:
             if not isinstance(rule, dict) or not str(rule.get("expr", "")).strip():
                 problems.append(f"{where}: expr is required")
                 continue
+            if error := promql_error(rule["expr"]):
+                problems.append(f"{where}: {error}")
             if bool(rule.get("record")) == bool(rule.get("alert")):
                 problems.append(f"{where}: set exactly one of record and alert")
             if rule.get("alert") and not (rule.get("labels", {}).get("severity")

@@ -485,8 +485,11 @@ def test_a_rule_without_an_expression_or_a_severity_is_refused():
     bad = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"},
            "spec": {"groups": [{"name": "g", "rules": [{"record": "a", "alert": "b", "expr": "up"},
                                                          {"alert": "c", "expr": "up"}, {"record": "d"}]}]}}
+    bad["spec"]["groups"][0]["rules"].append({"record": "e", "expr": "sum(rate(x[5m])"})
     problems = [p.message for p in check_custom(bad)]
-    assert len(problems) == 4  # rule 0 both kinds and no severity, rule 1 no severity, rule 2 no expr
+    # rule 0 both kinds and no severity, rule 1 no severity, rule 2 no expr, rule 3 not PromQL
+    assert len(problems) == 5
+    assert any("rule 3: not PromQL: unclosed left parenthesis" in p for p in problems)
     assert any("exactly one of record and alert" in p for p in problems)
     assert any("labels.severity" in p for p in problems) and any("expr is required" in p for p in problems)
     empty = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "y"},
