@@ -495,3 +495,18 @@ def test_a_rule_without_an_expression_or_a_severity_is_refused():
     empty = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "y"},
              "spec": {"selector": {}, "podMetricsEndpoints": [{}]}}
     assert len(check_custom(empty)) == 2
+
+
+def test_the_dashboard_queries_parse_and_read_exported_metrics(rendered):
+    import json
+
+    import promql_parser
+
+    board = json.loads(find(rendered["gpu-keda"], "ConfigMap", "specdec-grafana-dashboard")["data"]["specdec-dashboard.json"])
+    exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    assert len(board["panels"]) >= 10 and len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    for expr in exprs:
+        promql_parser.parse(expr)  # raises on a query Grafana would show as an error
+    used = {m for e in exprs for m in re.findall(r"\bspecdec_[a-z_]+", e)}
+    assert {"specdec_time_to_first_token_seconds_bucket", "specdec_generated_tokens_total"} <= used
+    assert not used - _exported_metric_names(), "the dashboard names metrics nobody exports"
