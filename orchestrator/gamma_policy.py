@@ -9,9 +9,10 @@ themselves. γ maximises expected tokens per unit of time,
 with c_j the chance that position j is kept once position j − 1 is, D(γ) the draft call's
 time and V(γ) the verify call's, both measured on the rounds themselves (prefill rounds
 excluded); while sessions are alone V(γ) also carries the round's time outside its calls,
-paid once a round whatever γ is (`CostModel.observe_round_overhead`). With one rate α at every position E(γ) = (1 − α^(γ+1)) / (1 − α), the model of
-the token rule; under the target's default block rule later positions are kept more
-often than one α says, which the per-position rates carry (`PositionRates`). Each
+paid once a round whatever γ is (`CostModel.observe_round_overhead`). With one rate α at
+every position E(γ) = (1 − α^(γ+1)) / (1 − α), the model of the token rule; under the
+target's default block rule later positions are kept more often than one α says, which
+the per-position rates carry (`PositionRates`). Each
 sampled round teaches every position up to its γ at once: the target returns, per
 position, the rule's chance that a prefix that long is kept (`keep_chances`), unbiased for
 what drafting that many tokens keeps and less noisy than the one kept length the round
@@ -322,14 +323,16 @@ class CostModel:
         if batch_size <= 1 and self.alone:  # as for the draft: the table speaks for sessions alone
             self.verify_by_gamma.update(gamma, ms)
 
-    def observe_round_overhead(self, ms: float) -> None:
+    def observe_round_overhead(self, ms: float, calls_ms: float) -> None:
         """A round's wall time outside its draft and verify calls: the loop's own work and
         the wait for the previous round's commit. Paid once a round whatever γ is, so a
         table of call times alone prices a round of one token too cheaply: at t = 1 and one
         stream the choice tipped to γ = 0 on a 1 % margin in 15 % of the rounds, where a
         round cost 0.3-0.6 ms beyond its calls (`make bench`, 2026-12-02 16:03 UTC).
-        Only while alone: under load a session's own overhead overlaps the others' work."""
-        if self.alone and ms >= 0:
+        Only while alone: under load a session's own overhead overlaps the others' work.
+        A round that spent longer outside its calls than in them stalled (a slow Redis, a
+        pause): not the loop's cost, and it would lift every γ alike for many rounds."""
+        if self.alone and 0 <= ms <= calls_ms:
             self.round_overhead.update(ms)
 
     @property

@@ -413,7 +413,7 @@ class Generator:
         previous commit), which the cost model adds to every γ's round: paid once a round,
         it favours rounds that yield more tokens."""
         calls = gen.stats.draft_ms + gen.stats.verify_ms - calls_before
-        self.costs.observe_round_overhead((time.perf_counter() - t_round) * 1000 - calls)
+        self.costs.observe_round_overhead((time.perf_counter() - t_round) * 1000 - calls, calls)
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
         p = req.params

@@ -96,13 +96,15 @@ def test_a_rounds_own_overhead_is_priced_once_a_round_and_only_while_alone():
     assert tps.index(max(tps)) == 0 and max(tps[1:]) > 0.9 * tps[0]
     before = [costs.round_ms(g) for g in range(9)]
     for _ in range(50):
-        costs.observe_round_overhead(6.0)
+        costs.observe_round_overhead(6.0, 14.0)
     assert [costs.round_ms(g) - b for g, b in zip(range(9), before)] == pytest.approx([6.0] * 9)
     assert _policy(alpha).choose(costs) > 0
+    costs.observe_round_overhead(900.0, 14.0)  # a stall (Redis restarting), not the loop's cost
+    assert costs.round_ms(0) - before[0] == pytest.approx(6.0)
     busy = CostModel()
     _observe(busy, [4] * 50, net=2.0, draft_step=3.0, target_step=30.0, batch=16)
     loaded = busy.round_ms(4)
-    busy.observe_round_overhead(6.0)  # under load a session's own overhead overlaps the others' work
+    busy.observe_round_overhead(6.0, 40.0)  # under load a session's own overhead overlaps the others' work
     assert busy.round_ms(4) == loaded
 
 
