@@ -266,7 +266,7 @@ class CostModel:
         used 52-66 % of them, t = 1 20-41 % (`benchmarks.stack_probe`), and turning
         pre-drafts off under load made greedy 3-10 % slower and t = 1 5-7 % faster
         (`ab_probe`, 2026-12-01 19:13-19:20 UTC); with this rule against none, by turns
-        (21:36-21:38 UTC), within the noise (README, overlapped drafting). While stopped, every
+        (21:36-21:38 UTC), within the noise (benchmarks/HISTORY.md, "Overlapped drafting"). While stopped, every
         `PREDRAFT_PROBE_EVERY`th chance still pre-drafts, so the rate follows the text."""
         use = self.predraft_use.get(greedy)
         if self.alone or min_use <= 0 or use is None or use.count < PREDRAFT_USE_AFTER or use.value >= min_use:

@@ -35,7 +35,7 @@ MAX_ATTEMPTS = 4
 OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this
 OVERLAP_MIN_USE = 0.5  # under load, only while at least this share of a kind's pre-drafts were used
 # greedy, alone: at most this many branch pre-drafts beside the main one. Off by default:
-# on the 2-core CPU the draft's batch of forks outlasts the verification (README, forks)
+# on the 2-core CPU the draft's batch of forks outlasts the verification (benchmarks/HISTORY.md, "Forks")
 OVERLAP_FORKS = 0
 FORK_MIN_HIT = 0.03  # a branch is forked when its chance of use is at least this
 # Adaptive sessions' proposals end after a token drafted with a top probability below

@@ -16,7 +16,7 @@ tests/specdec/test_model_runner.py checks the logits), only with fewer dispatche
 Attention stays one call per session: a single call over a batch's caches needs them in
 one tensor, padded to the longest and, for a batch of scattered sessions, gathered first,
 and at these shapes attention is bound by arithmetic, so padding and gathering cost about
-what the saved calls do (`python -m benchmarks.attention_probe`, README "Benchmarks").
+what the saved calls do (`python -m benchmarks.attention_probe`, benchmarks/HISTORY.md, "One attention call per batch").
 """
 from __future__ import annotations
 
