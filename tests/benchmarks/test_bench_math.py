@@ -131,3 +131,18 @@ def test_targets_table_shows_each_pass_beside_the_pooled_ratio():
     assert row == "| one stream, greedy: (e) ÷ (a) | 2.20 | ≥ 2.0 | PASS | 1.80 / 2.60 |  |"
     assert "per pass" in table.splitlines()[0]
     assert "per pass" not in checks_table(check_targets(pooled, [1]), [check_targets(passes[0], [1])])
+
+
+def test_the_gpu_kit_explains_itself_and_refuses_to_run_off_the_device(tmp_path):
+    """benchmarks/gpu_kit.sh is run once a session draws a GPU: it must at least parse,
+    print its usage, and refuse `run` where no $OUT says it is on the device machine."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kit.sh"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "bash benchmarks/gpu_kit.sh prepare" in usage.stdout
+    refused = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert refused.returncode != 0 and "run on the device machine" in refused.stderr
