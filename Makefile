@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := protos/specdec/v1/orchestrator.proto protos/specdec/internal/v1/replica.proto
 
-.PHONY: help setup venv redis proto run demo test test-fast bench bench-bf16 bench-smoke models loadtest soak clean
+.PHONY: help setup venv redis proto run demo test test-fast bench bench-bf16 bench-smoke gpu-kit models loadtest soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -47,6 +47,9 @@ bench-bf16: setup  ## make bench with a bf16 target and an fp32 draft (CPUs with
 
 bench-smoke: setup  ## the benchmark's smoke run (as in make test)
 	$(PY) -m pytest -q -m bench tests/benchmarks
+
+gpu-kit: setup  ## wheels and redis-server into .gpukit/ for make bench on a lent GPU machine (benchmarks/gpu_kit.sh)
+	PYTHON=$(PY) bash benchmarks/gpu_kit.sh prepare
 
 models: venv  ## retrain the bundled pair (about 100 minutes on 2 cores)
 	$(PY) -m training --out models
