@@ -13,7 +13,7 @@ import pytest
 from deploy import OVERLAYS
 from deploy.cluster import referenced_secrets
 from deploy.render import find_kubectl, kustomize_version, render_objects
-from deploy.validate import CUSTOM_KINDS, check_custom, check_schema, check_typed, to_typed
+from deploy.validate import CUSTOM_KINDS, check_custom, check_schema, check_typed, promql_error, to_typed
 
 POOLS = {"draft": 50061, "target": 50071}
 SERVICES = {**POOLS, "orchestrator": 50051}
@@ -458,18 +458,23 @@ def _exported_metric_names() -> set[str]:
     return names
 
 
+def metrics_named(exprs: list[str]) -> set[str]:
+    """The specdec metrics (not recorded series) that PromQL expressions read."""
+    return {m for e in exprs for m in re.findall(r"\bspecdec_[a-z_]+", e)}
+
+
 def test_the_rules_read_only_metrics_the_code_exports(rendered):
     rule = find(rendered["gpu-keda"], "PrometheusRule", "specdec")
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
-    used = {m for e in exprs for m in re.findall(r"\bspecdec_[a-z_]+", e)}
+    used = metrics_named(exprs)
     assert {"specdec_time_to_first_token_seconds_bucket", "specdec_requests_total"} <= used
-    assert not used - _exported_metric_names(), "rules name metrics nobody exports"
+    exported = _exported_metric_names()
+    assert not used - exported, "rules name metrics nobody exports"
     recorded = {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
     read = {m for e in exprs for m in re.findall(r"\bspecdec:[a-z_0-9:]+", e)}
     assert read <= recorded, "alerts read recording rules that do not exist"
-    for query in (o["spec"]["triggers"][0]["metadata"]["query"]
-                  for o in rendered["gpu-keda"] if o["kind"] == "ScaledObject"):
-        assert set(re.findall(r"\bspecdec_[a-z_]+", query)) <= _exported_metric_names()
+    queries = [o["spec"]["triggers"][0]["metadata"]["query"] for o in rendered["gpu-keda"] if o["kind"] == "ScaledObject"]
+    assert queries and metrics_named(queries) <= exported
 
 
 def test_the_pod_monitor_scrapes_the_pools_metrics_ports(rendered):
@@ -500,13 +505,10 @@ def test_a_rule_without_an_expression_or_a_severity_is_refused():
 def test_the_dashboard_queries_parse_and_read_exported_metrics(rendered):
     import json
 
-    import promql_parser
-
     board = json.loads(find(rendered["gpu-keda"], "ConfigMap", "specdec-grafana-dashboard")["data"]["specdec-dashboard.json"])
     exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
     assert len(board["panels"]) >= 10 and len({p["id"] for p in board["panels"]}) == len(board["panels"])
-    for expr in exprs:
-        promql_parser.parse(expr)  # raises on a query Grafana would show as an error
-    used = {m for e in exprs for m in re.findall(r"\bspecdec_[a-z_]+", e)}
+    assert not [err for e in exprs if (err := promql_error(e))]  # what Grafana would show as an error
+    used = metrics_named(exprs)
     assert {"specdec_time_to_first_token_seconds_bucket", "specdec_generated_tokens_total"} <= used
     assert not used - _exported_metric_names(), "the dashboard names metrics nobody exports"
