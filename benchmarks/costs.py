@@ -1,9 +1,11 @@
 """What a model step costs, and the analytic bound it implies.
 
-Costs are timed in-process on ModelRunner forwards (the runner the services use), with a
-warm-up and the median of `reps` repetitions, over a `context`-token KV cache per session:
+Costs are timed in-process on ModelRunner forwards (the runner the services use), over a
+`context`-token KV cache per session: every shape below once per turn, two warm-up turns,
+then the median of `reps` turns (`_time_by_turns`):
 
-- draft step t_d(B):      the draft, B sessions × 1 new token, logits for that token;
+- draft step t_d(B):      the draft, B sessions × 1 new token, logits for that token, as the
+                          mean of `decision_gamma` steps in a row after the target's forwards;
 - target step t_t(B):     the target, B sessions × 1 new token (= verify with γ = 0);
 - verify t_v(γ, B):       the target, B sessions × (γ + 1) new tokens, logits for all of them.
 - decision(B):            the target's verdicts for B sessions at the bench's γ from the packed
@@ -96,20 +98,49 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_forward(runner: ModelRunner, caches, n_new: int, context: int, reps: int, gen: torch.Generator) -> float:
-    """Median ms of one forward feeding n_new tokens to every cache (each at `context`)."""
-    times = []
-    for i in range(reps + 2):  # two warm-up forwards
-        items = [ForwardItem(c, torch.randint(runner.vocab_size, (n_new,), generator=gen), n_new) for c in caches]
-        sync_device(runner.device)
-        t0 = time.perf_counter()
-        runner.forward(items)
-        sync_device(runner.device)
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1000)
-        for c in caches:
-            c.truncate(context)
-    return sorted(times)[len(times) // 2]
+class _Forward:
+    """One timed shape: n_new tokens fed to every cache (each at `context`), cut back after."""
+
+    def __init__(self, runner: ModelRunner, caches, n_new: int, context: int, gen: torch.Generator) -> None:
+        self.runner, self.caches, self.n_new, self.context, self.gen = runner, caches, n_new, context, gen
+        self.times: list[float] = []
+
+    def run(self, keep: bool, times: int = 1) -> None:
+        """`times` forwards in a row, kept (when `keep`) as their mean."""
+        runner, n = self.runner, self.n_new
+        total = 0.0
+        for _ in range(times):
+            items = [ForwardItem(c, torch.randint(runner.vocab_size, (n,), generator=self.gen), n)
+                     for c in self.caches]
+            sync_device(runner.device)
+            t0 = time.perf_counter()
+            runner.forward(items)
+            sync_device(runner.device)
+            total += time.perf_counter() - t0
+            for c in self.caches:
+                c.truncate(self.context)
+        if keep:
+            self.times.append(total * 1000 / times)
+
+    @property
+    def median(self) -> float:
+        return sorted(self.times)[len(self.times) // 2]
+
+
+def _time_by_turns(verifies: list[_Forward], drafts: list[_Forward], reps: int, draft_run: int) -> None:
+    """Every shape once per turn, `reps` turns after two warm-up turns: a slow spell of a
+    shared machine (they last seconds here) then weighs on every shape alike, where timing
+    one shape after another let it land on one (a draft step read 0.55–1.02 ms from one
+    run of measure_costs to the next, 2026-12-02, when each shape was timed in a block).
+    The draft's steps come as a round drafts them, `draft_run` in a row after the target's
+    forwards, and count as their mean: the first of them finds the draft's weights pushed
+    out of the cache by the target's (1.3 ms against 0.6 for a warm step, on that day's
+    AVX2 EPYC), the others warm."""
+    for turn in range(reps + 2):
+        for shape in verifies:
+            shape.run(keep=turn >= 2)
+        for shape in drafts:
+            shape.run(keep=turn >= 2, times=draft_run)
 
 
 def _prefilled(runner: ModelRunner, batch: int, context: int, gen: torch.Generator) -> list:
@@ -162,12 +193,18 @@ def measure_costs(draft: ModelRunner, target: ModelRunner, batches: list[int], g
     `decision_gamma` and the wire's cost; see the module docstring."""
     gen = torch.Generator().manual_seed(seed)
     costs = Costs(context, decision_gamma=decision_gamma)
+    draft_shapes, verify_shapes = {}, {}
+    gammas = sorted(set(gammas) | {0})
     for b in sorted(set(batches)):
-        caches = _prefilled(draft, b, context, gen)
-        costs.draft_step_ms[b] = _time_forward(draft, caches, 1, context, reps, gen)
+        draft_shapes[b] = _Forward(draft, _prefilled(draft, b, context, gen), 1, context, gen)
         caches = _prefilled(target, b, context, gen)
-        costs.verify_ms[b] = {g: _time_forward(target, caches, g + 1, context, reps, gen)
-                              for g in sorted(set(gammas) | {0})}
+        verify_shapes[b] = {g: _Forward(target, caches, g + 1, context, gen) for g in gammas}
+    _time_by_turns([shape for b in verify_shapes for shape in verify_shapes[b].values()],
+                   list(draft_shapes.values()), reps, max(1, decision_gamma))
+    for b in draft_shapes:
+        costs.draft_step_ms[b] = draft_shapes[b].median
+        costs.verify_ms[b] = {g: shape.median for g, shape in verify_shapes[b].items()}
+    for b in draft_shapes:
         costs.decision_ms[b] = _decision_ms(target, b, decision_gamma, reps, gen)
     costs.wire_ms = _wire_ms(target.vocab_size, decision_gamma, reps, gen)
     return costs

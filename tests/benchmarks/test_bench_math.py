@@ -146,3 +146,30 @@ def test_the_gpu_kit_explains_itself_and_refuses_to_run_off_the_device(tmp_path)
     assert usage.returncode == 2 and "bash benchmarks/gpu_kit.sh prepare" in usage.stdout
     refused = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert refused.returncode != 0 and "run on the device machine" in refused.stderr
+
+
+def test_step_costs_are_timed_by_turns_with_the_draft_in_runs(monkeypatch):
+    """measure_costs times every shape once per turn (so a slow spell weighs on all of
+    them) and the draft's steps in runs of γ, as a round drafts after a verification."""
+    import torch
+
+    from benchmarks import costs as costs_mod
+    from specdec.model_runner import ModelRunner
+    from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model
+
+    order = []
+    real_run = costs_mod._Forward.run
+
+    def spy(self, keep, times=1):
+        order.append((self.runner is draft, self.n_new, len(self.caches), times))
+        real_run(self, keep, times)
+
+    monkeypatch.setattr(costs_mod._Forward, "run", spy)
+    cpu = torch.device("cpu")
+    draft = ModelRunner(load_model(BUNDLED_DRAFT, cpu, torch.float32))
+    target = ModelRunner(load_model(BUNDLED_TARGET, cpu, torch.float32))
+    c = costs_mod.measure_costs(draft, target, [1, 2], [2], context=8, reps=3, decision_gamma=3)
+    turn = [(False, 1, 1, 1), (False, 3, 1, 1), (False, 1, 2, 1), (False, 3, 2, 1), (True, 1, 1, 3), (True, 1, 2, 3)]
+    assert order == turn * 5  # two warm-up turns and three kept
+    assert set(c.draft_step_ms) == {1, 2} and set(c.verify_ms[2]) == {0, 2}
+    assert all(ms > 0 for ms in [*c.draft_step_ms.values(), *c.verify_ms[1].values(), *c.verify_ms[2].values()])
