@@ -51,6 +51,7 @@ class Costs:
     draft_step_ms: dict[int, float] = field(default_factory=dict)  # batch → ms
     verify_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch → γ → ms
     decision_gamma: int = 0
+    draft_run: int = 1  # draft steps timed in a row after the target's forwards (`_time_by_turns`)
     decision_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # batch → greedy/sampled → ms
     wire_ms: dict[str, float] = field(default_factory=dict)  # encode/decode → ms of one session's block
 
@@ -192,7 +193,7 @@ def measure_costs(draft: ModelRunner, target: ModelRunner, batches: list[int], g
     """Draft step, target step and verify(γ) at each batch size, the target's decisions at
     `decision_gamma` and the wire's cost; see the module docstring."""
     gen = torch.Generator().manual_seed(seed)
-    costs = Costs(context, decision_gamma=decision_gamma)
+    costs = Costs(context, decision_gamma=decision_gamma, draft_run=max(1, decision_gamma))
     draft_shapes, verify_shapes = {}, {}
     gammas = sorted(set(gammas) | {0})
     for b in sorted(set(batches)):
@@ -200,11 +201,10 @@ def measure_costs(draft: ModelRunner, target: ModelRunner, batches: list[int], g
         caches = _prefilled(target, b, context, gen)
         verify_shapes[b] = {g: _Forward(target, caches, g + 1, context, gen) for g in gammas}
     _time_by_turns([shape for b in verify_shapes for shape in verify_shapes[b].values()],
-                   list(draft_shapes.values()), reps, max(1, decision_gamma))
+                   list(draft_shapes.values()), reps, costs.draft_run)
     for b in draft_shapes:
         costs.draft_step_ms[b] = draft_shapes[b].median
         costs.verify_ms[b] = {g: shape.median for g, shape in verify_shapes[b].items()}
-    for b in draft_shapes:
         costs.decision_ms[b] = _decision_ms(target, b, decision_gamma, reps, gen)
     costs.wire_ms = _wire_ms(target.vocab_size, decision_gamma, reps, gen)
     return costs

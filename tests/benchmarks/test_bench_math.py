@@ -171,5 +171,5 @@ def test_step_costs_are_timed_by_turns_with_the_draft_in_runs(monkeypatch):
     c = costs_mod.measure_costs(draft, target, [1, 2], [2], context=8, reps=3, decision_gamma=3)
     turn = [(False, 1, 1, 1), (False, 3, 1, 1), (False, 1, 2, 1), (False, 3, 2, 1), (True, 1, 1, 3), (True, 1, 2, 3)]
     assert order == turn * 5  # two warm-up turns and three kept
-    assert set(c.draft_step_ms) == {1, 2} and set(c.verify_ms[2]) == {0, 2}
+    assert c.draft_run == 3 and set(c.draft_step_ms) == {1, 2} and set(c.verify_ms[2]) == {0, 2}
     assert all(ms > 0 for ms in [*c.draft_step_ms.values(), *c.verify_ms[1].values(), *c.verify_ms[2].values()])
