@@ -106,7 +106,10 @@ class Heartbeat:
                 warned = False
             except (RedisError, OSError) as exc:
                 if not warned:
-                    log.warning("registry: cannot reach Redis (%s); retrying every %.1fs", exc, self.interval)
+                    log.warning("registry: cannot register in Redis (%s); retrying every %.1fs", exc, self.interval)
+                warned = True
+            except Exception:  # a heartbeat that dies leaves the pool silently: log and go on
+                log.exception("registry: heartbeat failed; retrying in %.1fs", self.interval)
                 warned = True
             await asyncio.sleep(self.interval)
 

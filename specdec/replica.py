@@ -122,7 +122,7 @@ class ReplicaHost:
         await self.shell.set_serving(True)
         self.heartbeat.start()
         self.shell.install_signal_handlers()
-        log.info("%s replica serving on %s:%d (registered as %s)", self.pool, self.args.host, port, self.address)
+        log.info("%s replica serving on %s:%d (advertised as %s)", self.pool, self.args.host, port, self.address)
         await self.shell.stopping.wait()
         log.info("draining: deregistering and finishing calls in flight (up to %.0fs)", self.args.drain_seconds)
         await self.heartbeat.stop()

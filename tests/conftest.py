@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from localstack.stack import LocalStack, free_port, redis_server_binary
+from localstack.stack import free_port, redis_server_binary
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET
+from tests.stacks import started_stack, stopped
 
 torch.set_num_threads(1)  # the servers under test share this machine's cores
 
@@ -95,16 +96,14 @@ def redis_server():
 @pytest.fixture(scope="session")
 def local_stack(bundled_paths):
     """One draft, one target, one orchestrator and Redis, shared by the e2e tests."""
-    stack = LocalStack()
-    stack.start()
+    stack = started_stack()
     yield stack
-    stack.stop()
+    stopped(stack)
 
 
 @pytest.fixture(scope="module")
 def stack(bundled_paths):
     """A stack of a module's own, for tests that disturb it (kills, restarts, caps)."""
-    stack = LocalStack()
-    stack.start()
+    stack = started_stack()
     yield stack
-    stack.stop()
+    stopped(stack)

@@ -21,16 +21,16 @@ from specdec.sampling import SamplingParams
 from specdec.spec_loop import generate
 from target_service.engine import TargetEngine
 from tests.e2e.helpers import api, redis_client, request
+from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def bf16_stack(bundled_paths):
-    stack = LocalStack(dtypes={"target": "bfloat16", "draft": "float32"})
-    stack.start()
+    stack = started_stack(lambda: LocalStack(dtypes={"target": "bfloat16", "draft": "float32"}))
     yield stack
-    stack.stop()
+    stopped(stack)
 
 
 @pytest.fixture(scope="module")

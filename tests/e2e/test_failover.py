@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from localstack.stack import LocalStack
 from tests.e2e.helpers import Streams, api, live_replicas, load_report, request, session_handles
+from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
 
@@ -24,10 +24,9 @@ NEW_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def stack(bundled_paths):
-    stack = LocalStack()
-    stack.start(drafts=2, targets=2)
+    stack = started_stack(drafts=2, targets=2)
     yield stack
-    stack.stop()
+    stopped(stack)
 
 
 def ensure(stack, kind: str, count: int) -> None:

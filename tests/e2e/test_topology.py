@@ -5,18 +5,17 @@ import time
 
 import pytest
 
-from localstack.stack import LocalStack
 from tests.e2e.helpers import api, load_report, redis_client, request
+from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def wide_stack(bundled_paths):
-    stack = LocalStack()
-    stack.start(drafts=2, targets=2)
+    stack = started_stack(drafts=2, targets=2)
     yield stack
-    stack.stop()
+    stopped(stack)
 
 
 def test_sessions_spread_and_stick(wide_stack):
