@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default="t1:1:e", help="mode:streams:system runs per round, comma-separated "
                     "(system d = fixed γ 4, e = adaptive, f = target only; default t1:1:e)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all arms (default 3)")
+    ap.add_argument("--draft-flags", default="", help="flags for the draft replica, shared by every arm "
+                    "(e.g. '--max-batch 1': an undersized draft pool)")
+    ap.add_argument("--target-flags", default="", help="flags for the target replica, shared by every arm")
     add_workload_args(ap, warm_up=3.0)
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
@@ -95,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=1)
     try:
         stack.start_redis()
-        stack.start_replica("target", wait=False)
-        stack.start_replica("draft", wait=False)
+        stack.start_replica("target", wait=False, extra=shlex.split(args.target_flags))
+        stack.start_replica("draft", wait=False, extra=shlex.split(args.draft_flags))
         addresses = {name: stack.start_orchestrator(wait=False, extra=flags).address for name, flags in arms}
         stack.wait_all(1, 1)
         results = asyncio.run(alternate(addresses, prompt_ids, runs, args.rounds, args.per_stream,

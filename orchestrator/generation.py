@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Sequence
 import grpc
 
 from orchestrator.gamma_policy import CostModel, SessionPolicy
+from orchestrator.governor import LoadGovernor
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
@@ -107,6 +108,13 @@ class _Generation:
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)
     line: int | None = None
+    speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
+
+    @property
+    def governed(self) -> bool:
+        """Whether the load governor may turn this generation's speculation off: adaptive
+        γ only, and not a seeded sampled request (its policy is deterministic)."""
+        return self.policy.fixed is None and not self.policy.deterministic
 
 
 @dataclass
@@ -134,7 +142,8 @@ class Generator:
                  costs: CostModel | None = None, call_timeout: float = 30.0, overlap: bool = True,
                  overlap_min_hit: float = OVERLAP_MIN_HIT, overlap_min_use: float = OVERLAP_MIN_USE,
                  calls: str = "mux", overlap_forks: int = OVERLAP_FORKS,
-                 stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED)) -> None:
+                 stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
+                 governor: LoadGovernor | None = None) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -148,6 +157,8 @@ class Generator:
         self.overlap_forks = overlap_forks  # greedy branch pre-drafts while alone (_start_forks)
         self.calls = calls  # how Propose/Verify travel: round_stream.CALL_MODES
         self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
+        self.governor = governor or LoadGovernor()  # speculation on or off under load, by measurement
+        self.active = 0  # generations in flight in this process: the governor's load
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
@@ -365,9 +376,13 @@ class Generator:
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         pending: asyncio.Future | None = None  # the previous round's commit, then its emit
         metrics.ACTIVE_SESSIONS.inc()
+        self.active += 1
         try:
             while len(generated) < req.max_new_tokens:
                 t_round, calls_before = time.perf_counter(), gen.stats.draft_ms + gen.stats.verify_ms
+                active = self.active
+                if gen.governed:
+                    gen.speculating = self.governor.speculating(gen.policy.greedy, active)
                 m = len(handle.committed)
                 if m >= self.max_len:
                     reason = "context"
@@ -388,6 +403,9 @@ class Generator:
                     await pending  # rounds are committed and streamed in order
                 if plain:
                     self._observe_round(gen, t_round, calls_before)
+                if gen.governed:
+                    self.governor.observe(gen.policy.greedy, active, gen.speculating, len(new),
+                                          time.perf_counter() - t_round)
                 # the next round's calls overlap this round's Redis round trip; its tokens
                 # reach the client only once they are committed
                 pending = asyncio.ensure_future(
@@ -401,6 +419,7 @@ class Generator:
                 await emit(tail, [])
         finally:
             metrics.ACTIVE_SESSIONS.dec()
+            self.active -= 1
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
             await asyncio.shield(self._close(handle, req, owner, pending, gen.links))
@@ -437,7 +456,7 @@ class Generator:
                      m: int) -> tuple[list[int], replica_pb2.DraftDistributions | None, int]:
         """This round's proposal → (draft tokens, their distributions or None, γ); γ = 0
         (target-only) when the policy says so or no draft replica can serve."""
-        want = gen.policy.choose(self.costs) if gen.handle.draft_replica else 0
+        want = gen.policy.choose(self.costs) if gen.handle.draft_replica and gen.speculating else 0
         gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
         if gamma == 0:
             return [], None, 0
@@ -457,7 +476,8 @@ class Generator:
         draft work thrown away, which also slows the verification it runs beside on
         shared cores."""
         policy = gen.policy
-        if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica):
+        if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
+                and gen.speculating):
             return None
         main = policy.predraft_hit(gamma) >= self.overlap_min_hit
         if main and not self.costs.predraft_pays(policy.greedy, self.overlap_min_use):

@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import OVERLAP_FORKS, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
+from orchestrator.governor import LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
@@ -263,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the same for sampled sessions (temperature > 0); 0 = off, the default: on the bundled "
                          "pair no threshold paid there even in process (benchmarks.stop_rule_probe) "
                          "[SPECDEC_STOP_BELOW_SAMPLED]")
+    ap.add_argument("--load-governor", choices=("on", "off"), default=env("LOAD_GOVERNOR", "on"),
+                    help="while several generations run: turn adaptive speculation off for a sampling kind "
+                         "and load where, measured window by window against target-only decoding, it is "
+                         "slower (orchestrator/governor.py); off = the γ policy alone [SPECDEC_LOAD_GOVERNOR]")
     ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "mux"),
                     help="how generations call the pools: mux (one stream per replica shared by every "
                          "generation, the calls of one moment in one message), stream (one stream per replica "
@@ -290,11 +295,13 @@ async def serve(args: argparse.Namespace) -> None:
                         args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
     costs = CostModel()
     metrics.export_target_forward_ms(costs.forward.table)
+    governor = LoadGovernor(enabled=args.load_governor == "on")
+    metrics.export_governor(governor.table)
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
-                          stop_below=(args.stop_below_greedy, args.stop_below_sampled))
+                          stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor)
     token = read_secret(args.api_token_file)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)

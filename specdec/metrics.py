@@ -99,6 +99,15 @@ def export_target_forward_ms(read: Callable[[], dict]) -> None:
         "adaptive γ policy has measured it; rows is the lower bound of the bucket", "rows", read))
 
 
+def export_governor(read: Callable[[], dict]) -> None:
+    """specdec_load_governor{key}: per sampling kind and load (generations in flight, a power
+    of two), whether adaptive sessions speculate and each mode's measured per-session tokens/s
+    (orchestrator/governor.py); `read()` → {"kind,load,measure": value}."""
+    REGISTRY.register(_TableGauge(
+        "specdec_load_governor", "Under load, per sampling kind and load: speculating (1/0) and the measured "
+        "per-session tokens/s with speculation on and off", "key", read))
+
+
 def serve_metrics(port: int) -> None:
     """Start the /metrics HTTP endpoint (port 0 = off)."""
     if port:
