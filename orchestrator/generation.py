@@ -109,6 +109,7 @@ class _Generation:
     # holds the committed tokens (None: it holds the draft too, up to its last token)
     line: int | None = None
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
+    rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
 
     @property
     def governed(self) -> bool:
@@ -382,7 +383,9 @@ class Generator:
                 t_round, calls_before = time.perf_counter(), gen.stats.draft_ms + gen.stats.verify_ms
                 active = self.active
                 if gen.governed:
-                    gen.speculating = self.governor.speculating(gen.policy.greedy, active)
+                    mode = self.governor.speculating(gen.policy.greedy, active)
+                    gen.rounds_in_mode = gen.rounds_in_mode + 1 if mode == gen.speculating else 1
+                    gen.speculating = mode
                 m = len(handle.committed)
                 if m >= self.max_len:
                     reason = "context"
@@ -405,7 +408,7 @@ class Generator:
                     self._observe_round(gen, t_round, calls_before)
                 if gen.governed:
                     self.governor.observe(gen.policy.greedy, active, gen.speculating, len(new),
-                                          time.perf_counter() - t_round)
+                                          time.perf_counter() - t_round, gen.rounds_in_mode)
                 # the next round's calls overlap this round's Redis round trip; its tokens
                 # reach the client only once they are committed
                 pending = asyncio.ensure_future(

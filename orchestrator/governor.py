@@ -12,19 +12,30 @@ machine nor a switch fixed for one load can get both right everywhere.
 So, while several sessions run at once, time is cut into windows, and in each window the
 sessions of one sampling kind (greedy or sampled) at one load either speculate as the policy
 says (ON) or decode target-only (OFF). The load is the number of generations in flight,
-smoothed over rounds and taken by powers of two (`load_bucket`) once per window, so that a
+smoothed over rounds and taken by powers of two (`load_bucket`) once a second, so that a
 steady 16 streams, which read 15 and 16 by turns as requests end and start, is one load. The
 measure is each mode's per-session token rate: tokens committed ÷ the wall time of the
 rounds that committed them, which in a closed loop is throughput per session and in an
-open one the inverse of time per output token, at the same load either way. Each mode's
-rate is a decayed mean over its windows; the better one runs, and the other gets a window
-now and then so its figure stays current (what speculation costs moves with the text, the
-load and the machine): every `EXPLORE_EVERY`th window where the two are close, less often
-the further apart they are, so that trying the loser costs about the same small share
-(≈ GAP_UNIT ÷ EXPLORE_EVERY, 0.6 %) whatever the gap. With one window in 8 the governor
-cost greedy 16 streams 2.5 % where speculating was 45 % faster (by turns against the policy
-alone, 2026-12-03). Rounds in a window's first `SETTLE` are not counted:
-they ran beside rounds chosen in the other mode.
+open one the inverse of time per output token, at the same load either way. A session's
+first `SETTLE_ROUNDS` rounds after its mode changed are not counted: after target-only
+rounds the draft first catches up on every token they committed, and the next round still
+runs beside the others' catch-ups, a cost of switching that the steady mode does not pay
+(counting them, a 6-layer draft at greedy 16 streams measured 13.7 tokens/s per session in
+an ON window against 28–32 in the ON windows before, and the governor decoded target-only
+at 429 tokens/s where speculating made 481, 2026-12-03). A window lasts at least
+`WINDOW_S` and until it has counted `ROUNDS_PER_SESSION` rounds per generation of its load,
+so that slow rounds (long drafts of a large draft model: 48 rounds a second at 16 streams)
+are measured as well as fast ones. Each mode's rate is a decayed mean over its windows; the
+better one runs, and the other gets a window now and then so its figure stays current (what
+speculation costs moves with the text, the load and the machine): every `EXPLORE_EVERY`th
+window where the two are close, less often the further apart they are, so that trying the
+loser costs about the same small share whatever the gap.
+
+Where it matters most is a draft too slow for its pool: with the target's own 6 layers in
+bf16 as the draft (no bf16 kernels on this AVX2 CPU), the policy alone kept γ near 0 yet made
+42 tokens/s at 16 streams against 370-430 target-only, its γ = 0 probes each catching the
+slow draft up; governed, 317 greedy and 391 at t = 1 once both modes were measured
+(benchmarks/HISTORY.md, "Load governor").
 
 A lone session (one generation in flight) is never governed: the policy's measured times
 speak for that case, and the bench's one-stream targets rest on them. Nor are fixed-γ or
@@ -41,13 +52,14 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-WINDOW_S = 1.0  # seconds a mode holds before the next choice
-SETTLE = 0.2  # share of a window whose rounds are not counted (they overlapped the other mode)
+WINDOW_S = 1.0  # seconds a mode holds at least before the next choice
+MAX_WINDOW_S = 8.0  # a window still short of its rounds then closes without a rate
+SETTLE_ROUNDS = 2  # a session's rounds after its mode changed that are not counted
+ROUNDS_PER_SESSION = 4  # counted rounds a window needs, per generation of its load
 EXPLORE_EVERY = 8  # the losing mode runs one window in this many where the modes are close,
 GAP_UNIT = 0.05  # and proportionally fewer per this much relative gap between their rates,
 MAX_EXPLORE_EVERY = 64  # but at least one in this many
 FIRST_WINDOWS = 2  # windows of each mode before the better one is preferred
-MIN_ROUNDS = 8  # counted rounds a window needs before its rate counts
 WEIGHT = 0.3  # of the newest window in a mode's decayed rate
 LOAD_WEIGHT = 0.05  # of each round's count of generations in flight in the smoothed load
 
@@ -73,20 +85,34 @@ class ModeRate:
 @dataclass
 class _Key:
     """One sampling kind at one load: its two modes' rates and this window's tally."""
+    bucket: int
+    start: float  # when the current window began
     on: ModeRate = field(default_factory=ModeRate)
     off: ModeRate = field(default_factory=ModeRate)
     speculating: bool = True  # the mode of the current window
     since_explore: int = 0  # windows since the losing mode last ran
+    closed: int = 0  # windows closed, with a rate or without
     tokens: float = 0.0  # counted in the current window
     seconds: float = 0.0
     rounds: int = 0
 
-    def close_window(self) -> None:
-        """The window's rate joins its mode's; the next window's mode is chosen."""
-        if self.rounds >= MIN_ROUNDS and self.seconds > 0:
+    def needs(self) -> int:
+        """Counted rounds the window needs before it can close with a rate."""
+        return ROUNDS_PER_SESSION * 2 ** self.bucket
+
+    def due(self, now: float) -> bool:
+        elapsed = now - self.start
+        return elapsed >= WINDOW_S and (self.rounds >= self.needs() or elapsed >= MAX_WINDOW_S)
+
+    def close_window(self, now: float) -> None:
+        """The window's rate joins its mode's (if it counted its rounds); the next window's
+        mode is chosen."""
+        if self.rounds >= self.needs() and self.seconds > 0:
             (self.on if self.speculating else self.off).update(self.tokens / self.seconds)
         self.tokens = self.seconds = 0.0
         self.rounds = 0
+        self.closed += 1
+        self.start = now
         self.speculating = self._next_mode()
 
     def _next_mode(self) -> bool:
@@ -117,44 +143,53 @@ class LoadGovernor:
         self.clock = clock
         self.keys: dict[tuple[bool, int], _Key] = {}
         self.load = 1.0  # generations in flight, smoothed over rounds
-        self.bucket = 0  # the load of the current window (load_bucket)
-        self.window_start = clock()
+        self.bucket = 0  # load_bucket(load), refreshed once every WINDOW_S
+        self.bucket_at = clock()
 
-    def _tick(self) -> float:
-        """Seconds into the current window, closing the window that has ended."""
+    def _key(self, greedy: bool) -> _Key | None:
+        """The current load's key for this kind, its window closed if it is due."""
         now = self.clock()
-        if now - self.window_start >= WINDOW_S:
-            for (greedy, bucket), key in self.keys.items():
-                was = key.speculating
-                key.close_window()
-                if key.speculating != was and key.on.rate is not None and key.off.rate is not None:
-                    log.info("governor: %s sessions at load %d %s (tokens/s per session: on %.1f, off %.1f)",
-                             "greedy" if greedy else "sampled", 2 ** bucket,
-                             "speculate" if key.speculating else "decode target-only", key.on.rate, key.off.rate)
-            self.window_start = now
-            self.bucket = load_bucket(self.load)
-        return now - self.window_start
+        if now - self.bucket_at >= WINDOW_S:
+            self.bucket, self.bucket_at = load_bucket(self.load), now
+        if self.bucket == 0:
+            return None
+        key = self.keys.get((greedy, self.bucket))
+        if key is None:
+            key = self.keys[(greedy, self.bucket)] = _Key(self.bucket, now)
+        elif key.due(now):
+            self._close(greedy, key, now)
+        return key
+
+    @staticmethod
+    def _close(greedy: bool, key: _Key, now: float) -> None:
+        was, kind, load = key.speculating, "greedy" if greedy else "sampled", 2 ** key.bucket
+        log.debug("governor window: %s load %d %s, %d rounds, %.1f tokens/s per session", kind, load,
+                  "on" if was else "off", key.rounds, key.tokens / key.seconds if key.seconds else 0.0)
+        key.close_window(now)
+        if key.speculating != was and key.on.rate is not None and key.off.rate is not None:
+            log.info("governor: %s sessions at load %d %s (tokens/s per session: on %.1f, off %.1f)", kind, load,
+                     "speculate" if key.speculating else "decode target-only", key.on.rate, key.off.rate)
 
     def speculating(self, greedy: bool, active: int) -> bool:
         """Whether a governed session of this kind, with `active` generations in flight,
         speculates in this round."""
         if not self.enabled or active < 2:
             return True
-        self._tick()
-        if self.bucket == 0:
-            return True
-        return self.keys.setdefault((greedy, self.bucket), _Key()).speculating
+        key = self._key(greedy)
+        return True if key is None else key.speculating
 
-    def observe(self, greedy: bool, active: int, speculating: bool, tokens: int, seconds: float) -> None:
-        """A governed round that ran in mode `speculating` committed `tokens` in `seconds`."""
+    def observe(self, greedy: bool, active: int, speculating: bool, tokens: int, seconds: float,
+                rounds_in_mode: int = SETTLE_ROUNDS + 1) -> None:
+        """A governed round that ran in mode `speculating` committed `tokens` in `seconds`; it
+        was its session's `rounds_in_mode`th round in a row in that mode (counted past
+        `SETTLE_ROUNDS`)."""
         if not self.enabled:
             return
         self.load += LOAD_WEIGHT * (active - self.load)
         if active < 2:
             return
-        into = self._tick()
-        key = self.keys.get((greedy, self.bucket))
-        if key is not None and key.speculating == speculating and into >= SETTLE * WINDOW_S:
+        key = self._key(greedy)
+        if key is not None and key.speculating == speculating and rounds_in_mode > SETTLE_ROUNDS:
             key.tokens += tokens
             key.seconds += seconds
             key.rounds += 1

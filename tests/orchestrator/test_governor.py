@@ -22,18 +22,20 @@ def loaded(active: int) -> tuple[LoadGovernor, Clock]:
 
 
 def run_windows(gov: LoadGovernor, clock: Clock, windows: int, rate: dict[bool, float],
-                greedy: bool = False, active: int = 16) -> list[bool]:
-    """`windows` windows of rounds, each mode committing `rate[mode]` tokens a second per
-    session; the mode of each window, in order."""
+                greedy: bool = False, active: int = 16, step: float = 0.01) -> list[bool]:
+    """`windows` windows of settled rounds, one every `step` seconds, each mode committing
+    `rate[mode]` tokens a second per session; the mode of each window, in order."""
     modes = []
     for _ in range(windows):
-        mode = gov.speculating(greedy, active)
-        modes.append(mode)
-        start = clock.now
-        while clock.now - start < g.WINDOW_S - 0.011:
-            clock.now += 0.01
-            gov.observe(greedy, active, gov.speculating(greedy, active), 1, 1.0 / rate[mode])
-        clock.now = start + g.WINDOW_S
+        modes.append(gov.speculating(greedy, active))
+        key = gov.keys.get((greedy, load_bucket(active)))
+        closed, start = (key.closed if key else 0), clock.now
+        while True:
+            clock.now += step
+            mode = gov.speculating(greedy, active)
+            if (key.closed > closed) if key else clock.now - start >= g.WINDOW_S:
+                break
+            gov.observe(greedy, active, mode, 1, 1.0 / rate[mode])
     return modes
 
 
@@ -81,8 +83,9 @@ def test_kinds_and_loads_are_governed_apart():
     run_windows(gov, clock, 42, {True: 20.0, False: 25.0}, greedy=False, active=16)
     assert not gov.speculating(False, 16)
     assert gov.speculating(True, 16), "greedy has measured nothing yet: it speculates"
-    gov.bucket = load_bucket(4)
+    gov.load, clock.now = 4.0, clock.now + g.WINDOW_S  # the load is read anew once a second
     assert gov.speculating(False, 4), "another load has measured nothing yet"
+    assert (False, 2) in gov.keys
     assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 6, 11, 12, 16, 22)] == [0, 1, 2, 2, 2, 3, 3, 4, 4, 4]
 
 
@@ -96,28 +99,42 @@ def test_a_steady_load_that_reads_15_and_16_by_turns_is_one_load():
     assert list(gov.keys) == [(False, 4)]
 
 
-def test_rounds_of_the_other_mode_or_in_a_windows_first_part_are_not_counted():
+def test_rounds_of_the_other_mode_or_just_after_a_sessions_switch_are_not_counted():
     gov, clock = loaded(8)
     assert gov.speculating(False, 8)
     key = gov.keys[(False, 3)]
-    clock.now = 0.5 * g.SETTLE * g.WINDOW_S
-    gov.observe(False, 8, True, 5, 0.1)  # in the settling part
-    clock.now = 0.5
     gov.observe(False, 8, False, 5, 0.1)  # chosen in the other mode
+    for n in range(1, g.SETTLE_ROUNDS + 1):  # the draft catching up after target-only rounds
+        gov.observe(False, 8, True, 5, 0.4, rounds_in_mode=n)
     assert key.rounds == 0
-    gov.observe(False, 8, True, 5, 0.1)
+    gov.observe(False, 8, True, 5, 0.1, rounds_in_mode=g.SETTLE_ROUNDS + 1)
     assert key.rounds == 1 and key.tokens == 5
 
 
-def test_a_window_with_too_few_rounds_teaches_nothing():
+def test_a_window_of_slow_rounds_lasts_until_it_has_counted_enough():
+    gov, clock = loaded(16)
+    gov.speculating(False, 16)
+    key = gov.keys[(False, 4)]
+    assert key.needs() == g.ROUNDS_PER_SESSION * 16
+    for _ in range(key.needs() - 1):  # 3 s of rounds, one short of the window's need
+        clock.now += 3 * g.WINDOW_S / key.needs()
+        gov.observe(False, 16, True, 3, 0.3)
+    assert gov.speculating(False, 16) and key.closed == 0, "still one round short"
+    gov.observe(False, 16, True, 3, 0.3)
+    gov.speculating(False, 16)
+    assert key.closed == 1 and key.on.windows == 1 and abs(key.on.rate - 10.0) < 1e-9
+
+
+def test_a_window_that_never_gathers_its_rounds_closes_and_teaches_nothing():
     gov, clock = loaded(8)
     gov.speculating(False, 8)
-    for _ in range(g.MIN_ROUNDS - 1):
+    key = gov.keys[(False, 3)]
+    for _ in range(5):
         clock.now += 0.1
         gov.observe(False, 8, True, 3, 0.05)
-    clock.now = g.WINDOW_S + 0.01
+    clock.now = g.MAX_WINDOW_S + 0.01
     gov.speculating(False, 8)
-    assert gov.keys[(False, 3)].on.windows == 0
+    assert key.closed == 1 and key.on.windows == 0
 
 
 def test_off_means_the_policy_alone():
