@@ -69,9 +69,10 @@ from specdec.models import (BUNDLED_DRAFT, BUNDLED_TARGET, DTYPE_NAMES, dtype_na
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
-        "repeats": 2, "warm_up": 5.0, "per_stream": 3}
+        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0,
+        "per_stream": 3}
 QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0,
-         "per_stream": 1}
+         "load_warm_up": 0.0, "per_stream": 1}
 
 
 def int_list(text: str) -> list[int]:
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warm-up", type=float,
                     help=f"seconds of traffic through the stack before each pass's distributed runs "
                          f"(default {FULL['warm_up']:.0f})")
+    ap.add_argument("--load-warm-up", type=float,
+                    help=f"seconds of adaptive traffic at each concurrency above 1 before that concurrency's "
+                         f"distributed runs, in each pass: the γ policy and the load governor learn per load "
+                         f"(default {FULL['load_warm_up']:.0f})")
     ap.add_argument("--per-stream", type=int,
                     help=f"requests per stream at concurrency c: a run has max(prompts, per_stream × c) requests, "
                          f"so that the streams stay busy past the ramp (default {FULL['per_stream']})")
@@ -220,6 +225,7 @@ async def stack_phase(args, address: str, requests_for) -> tuple[list[RunResult]
         await client.warm_up(requests_for(1), args.max_new_tokens, args.warm_up)
         for mode in args.modes:
             for c in args.concurrency:
+                await client.warm_up_loaded(requests_for(c), mode, c, args.max_new_tokens, args.load_warm_up)
                 for system, gamma in (("f", 0), ("d", args.gamma), ("e", None)):
                     runs.append(await client.run(system, requests_for(c), mode, c, args.max_new_tokens, gamma))
                     log(describe(runs[-1]))

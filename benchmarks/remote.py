@@ -75,6 +75,24 @@ class StackClient:
                     await self.one(_request(r, mode, max_new, gamma))
             i += 1
 
+    async def warm_up_loaded(self, requests: list[Request], mode: str, concurrency: int, max_new: int,
+                             seconds: float) -> None:
+        """Adaptive traffic on `concurrency` streams for `seconds`: what the orchestrator
+        learns per load (the γ policy's forward curve at these batch sizes, the load
+        governor's measured rates with speculation on and off; about 4 s at 16 streams) is
+        then learnt before this load is measured, as in a server that has run for a while."""
+        if seconds <= 0 or concurrency < 2:
+            return
+        t0 = time.perf_counter()
+
+        async def worker(k: int) -> None:
+            i = k
+            while time.perf_counter() - t0 < seconds:
+                await self.one(_request(requests[i % len(requests)], mode, max_new, None))
+                i += concurrency
+
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+
     async def run(self, system: str, requests: list[Request], mode: str, concurrency: int, max_new: int,
                   gamma: int | None) -> RunResult:
         res = RunResult(system, mode, concurrency, gamma, stage_ms=dict.fromkeys(STAGES, 0.0),

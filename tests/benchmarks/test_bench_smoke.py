@@ -10,8 +10,9 @@ pytestmark = [pytest.mark.bench, pytest.mark.e2e]
 def test_bench_quick_writes_the_report_and_the_plot(bundled_paths, tmp_path):
     out = tmp_path / "RESULTS.md"
     assert bench.main(["--quick", "--prompts", "2", "--max-new-tokens", "16", "--concurrency", "1,2",
-                       "--gammas", "2,4", "--cost-reps", "2", "--out", str(out)]) == 0
+                       "--gammas", "2,4", "--cost-reps", "2", "--load-warm-up", "1", "--out", str(out)]) == 0
     text = out.read_text()
+    assert "each concurrency c > 1 after 1 s of adaptive traffic at c" in text
     for header in ("# Benchmark results", "## Targets", "## Step costs", "## Verdicts and wire", "## greedy, 1 stream",
                    "## temperature 1, 2 streams", "## γ sweep of (d), one stream", "## Bytes on the wire per round",
                    "| system | tok/s |", "(e) distributed, adaptive γ", "(b) HF assisted generation"):
