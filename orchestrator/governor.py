@@ -20,20 +20,20 @@ open one the inverse of time per output token, at the same load either way. A se
 first `SETTLE_ROUNDS` rounds after its mode changed are not counted: after target-only
 rounds the draft first catches up on every token they committed, and the next round still
 runs beside the others' catch-ups, a cost of switching that the steady mode does not pay
-(counting them, a 6-layer draft at greedy 16 streams measured 13.7 tokens/s per session in
+(counting them, the target's own 12 layers as the draft at greedy 16 streams measured 13.7 tokens/s per session in
 an ON window against 28–32 in the ON windows before, and the governor decoded target-only
 at 429 tokens/s where speculating made 481, 2026-12-03). A window lasts at least
 `WINDOW_S` and until it has counted `ROUNDS_PER_SESSION` rounds per generation of its load,
-so that slow rounds (long drafts of a large draft model: 48 rounds a second at 16 streams)
+so that slow rounds (long drafts of a large draft model: 48 counted in a 1 s window at 16 streams)
 are measured as well as fast ones. Each mode's rate is a decayed mean over its windows; the
 better one runs, and the other gets a window now and then so its figure stays current (what
 speculation costs moves with the text, the load and the machine): every `EXPLORE_EVERY`th
 window where the two are close, less often the further apart they are, so that trying the
 loser costs about the same small share whatever the gap.
 
-Where it matters most is a draft too slow for its pool: with the target's own 6 layers in
+Where it matters most is a draft too slow for its pool: with the target's own 12 layers in
 bf16 as the draft (no bf16 kernels on this AVX2 CPU), the policy alone kept γ near 0 yet made
-42 tokens/s at 16 streams against 370-430 target-only, its γ = 0 probes each catching the
+42 tokens/s at 16 streams against 310-431 target-only, its γ = 0 probes each catching the
 slow draft up; governed, 317 greedy and 391 at t = 1 once both modes were measured
 (benchmarks/HISTORY.md, "Load governor").
 
