@@ -69,8 +69,7 @@ from specdec.models import (BUNDLED_DRAFT, BUNDLED_TARGET, DTYPE_NAMES, dtype_na
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
-        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0,
-        "per_stream": 3}
+        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0, "per_stream": 3}
 QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0,
          "load_warm_up": 0.0, "per_stream": 1}
 

@@ -232,7 +232,7 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"- workload: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens per request, at concurrency c "
            f"max({args.prompts}, {args.per_stream}·c) requests, measured in {args.repeats} interleaved pass(es) and pooled, each "
            f"pass's distributed runs after {args.warm_up:.0f} s of warm-up traffic, and each concurrency c > 1 after "
-           f"{getattr(args, 'load_warm_up', 0):g} s of adaptive traffic at c (what the γ policy and load governor learn per load); "
+           f"{args.load_warm_up:g} s of adaptive traffic at c (what the γ policy and load governor learn per load); "
            f"fixed γ = {args.gamma}; request i of pass k carries seed 1000 + 100000·k + i (each pass samples its own texts) "
            f"except in (e), which sends none "
            f"(a seeded request at t = 1 would get the deterministic γ policy, which ignores load); "
