@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from training.checkpoints import run_cli, save_model, update_report
+from training.checkpoints import autocast, run_cli, save_model, update_report
 from training.train_pair import batches, encode_corpus, heldout_loss, lr_at
 
 ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")  # a layer's writes into the residual stream
@@ -86,7 +86,7 @@ def train(args: argparse.Namespace) -> dict:
     bar = tqdm(range(args.steps), desc=f"training the {args.layers}-layer target", unit="step")
     for step in bar:
         xy = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(args):
             logits = model(input_ids=xy[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), xy[:, 1:].flatten())
         for g in opt.param_groups:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from training.checkpoints import run_cli, save_model, update_report
+from training.checkpoints import autocast, run_cli, save_model, update_report
 from training.train_pair import batches, encode_corpus, lr_at
 
 
@@ -54,12 +54,12 @@ def alpha_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, kl_weigh
 
 
 @torch.no_grad()
-def heldout_agreement(target, draft, windows: torch.Tensor) -> dict[str, float]:
+def heldout_agreement(target, draft, windows: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
     """Teacher-forced α at temperature 1, greedy agreement, and the draft's loss."""
     draft.eval()
     alphas, greedy, losses = [], [], []
     for chunk in windows.split(16):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(args):
             t_logits = target(input_ids=chunk[:, :-1]).logits.float()
             d_logits = draft(input_ids=chunk[:, :-1]).logits.float()
         p, q = t_logits.softmax(-1), d_logits.softmax(-1)
@@ -81,7 +81,7 @@ def distill(args: argparse.Namespace) -> dict:
     draft.train()
     train_ids, held_ids = encode_corpus(tokenizer, "train"), encode_corpus(tokenizer, "heldout")
     held = next(batches(held_ids, args.eval_windows, args.seq, torch.Generator().manual_seed(1234)))
-    before = heldout_agreement(target, draft, held)
+    before = heldout_agreement(target, draft, held, args)
     print(f"before: {before}")
     best, best_state = before, None
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -90,7 +90,7 @@ def distill(args: argparse.Namespace) -> dict:
     bar = tqdm(range(args.steps), desc="distilling draft", unit="step")
     for step in bar:
         xy = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(args):
             with torch.no_grad():
                 t_logits = target(input_ids=xy[:, :-1]).logits
             d_logits = draft(input_ids=xy[:, :-1]).logits
@@ -103,14 +103,14 @@ def distill(args: argparse.Namespace) -> dict:
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.4f}", best_alpha=best["alpha_t1"])
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            now = heldout_agreement(target, draft, held)
+            now = heldout_agreement(target, draft, held, args)
             tqdm.write(f"step {step + 1}: {now}")
             if now["alpha_t1"] > best["alpha_t1"]:
                 best, best_state = now, {k: v.detach().clone() for k, v in draft.state_dict().items()}
     seconds = round(time.time() - t0)
     report = {"init": args.init, "layers": draft.config.num_hidden_layers, "steps": args.steps,
               "batch": args.batch, "seq": args.seq, "lr": args.lr, "kl_weight": args.kl_weight,
-              "seed": args.seed, "seconds": seconds, "tokens": args.steps * args.batch * args.seq,
+              "seed": args.seed, "precision": "bf16" if args.bf16 else "fp32", "seconds": seconds, "tokens": args.steps * args.batch * args.seq,
               "before": before, "after": best, "params": draft.num_parameters()}
     if best_state is not None:
         draft.load_state_dict(best_state)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training.checkpoints import run_cli
+from training.checkpoints import autocast, run_cli
 from training.corpus import read_texts, source_files
 from training.tokenizer import train_tokenizer
 
@@ -98,7 +98,7 @@ def train(args: argparse.Namespace) -> dict:
     for step in bar:
         joint = step < args.steps
         xy = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(args):
             with torch.set_grad_enabled(joint):
                 t_logits = target(input_ids=xy[:, :-1]).logits
             d_logits = draft(input_ids=xy[:, :-1]).logits

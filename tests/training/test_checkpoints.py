@@ -11,3 +11,19 @@ def test_update_report_merges_into_what_is_there(tmp_path):
     update_report(tmp_path, lambda full: full["params"].update(draft=2))
     report = json.loads((tmp_path / "training_report.json").read_text())
     assert report == {"seed": 0, "params": {"target": 10, "draft": 2}, "distill": [{"seed": 1}]}
+
+
+def test_precision_auto_follows_native_bf16_and_explicit_choices_win():
+    import argparse
+
+    import torch
+
+    from training.checkpoints import autocast, use_bf16
+
+    assert use_bf16("bf16") and not use_bf16("fp32")
+    assert use_bf16("auto") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    x = torch.ones(2, 2)
+    with autocast(argparse.Namespace(bf16=False)):
+        assert (x @ x).dtype == torch.float32
+    with autocast(argparse.Namespace(bf16=True)):
+        assert (x @ x).dtype == torch.bfloat16
