@@ -51,11 +51,13 @@ bench-smoke: setup  ## the benchmark's smoke run (as in make test)
 gpu-kit: setup  ## wheels and redis-server into .gpukit/ for make bench on a lent GPU machine (benchmarks/gpu_kit.sh)
 	PYTHON=$(PY) bash benchmarks/gpu_kit.sh prepare
 
-models: venv  ## retrain the bundled pair (about 100 minutes on 2 cores)
+models: venv  ## retrain the bundled pair (about 2 hours on 2 cores)
 	$(PY) -m training --out models
 	$(PY) -m training.distill --models models --seed 0
 	$(PY) -m training.distill --models models --seed 1
 	$(PY) -m training.distill --models models --seed 2
+	$(PY) -m training.distill --models models --seed 3
+	$(PY) -m training.distill --models models --seed 4 --lr 5e-4 --warmup 20
 
 loadtest: setup  ## python load generator against a local stack
 	$(PY) -m localstack loadtest
