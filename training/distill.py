@@ -110,7 +110,8 @@ def distill(args: argparse.Namespace) -> dict:
     seconds = round(time.time() - t0)
     report = {"init": args.init, "layers": draft.config.num_hidden_layers, "steps": args.steps,
               "batch": args.batch, "seq": args.seq, "lr": args.lr, "kl_weight": args.kl_weight,
-              "seed": args.seed, "precision": "bf16" if args.bf16 else "fp32", "seconds": seconds, "tokens": args.steps * args.batch * args.seq,
+              "seed": args.seed, "precision": args.precision, "seconds": seconds,
+              "tokens": args.steps * args.batch * args.seq,
               "before": before, "after": best, "params": draft.num_parameters()}
     if best_state is not None:
         draft.load_state_dict(best_state)

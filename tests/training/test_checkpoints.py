@@ -18,12 +18,13 @@ def test_precision_auto_follows_native_bf16_and_explicit_choices_win():
 
     import torch
 
-    from training.checkpoints import autocast, use_bf16
+    from training.checkpoints import autocast, resolve_precision
 
-    assert use_bf16("bf16") and not use_bf16("fp32")
-    assert use_bf16("auto") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert resolve_precision("bf16") == "bf16" and resolve_precision("fp32") == "fp32"
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert resolve_precision("auto") == ("bf16" if native else "fp32")
     x = torch.ones(2, 2)
-    with autocast(argparse.Namespace(bf16=False)):
+    with autocast(argparse.Namespace(precision="fp32")):
         assert (x @ x).dtype == torch.float32
-    with autocast(argparse.Namespace(bf16=True)):
+    with autocast(argparse.Namespace(precision="bf16")):
         assert (x @ x).dtype == torch.bfloat16
