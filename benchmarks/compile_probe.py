@@ -48,7 +48,7 @@ def single_session_forward(runner: ModelRunner):
         x = F.embedding(ids, runner.embed)
         for index, layer in enumerate(runner.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.norm1, runner.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, H + 2 * KV, D)
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias).view(n, H + 2 * KV, D)
             qk = qkv[:, : H + KV]
             turned = qk.roll(D // 2, -1).mul_(sin)
             qk.mul_(cos).add_(turned)
@@ -56,10 +56,10 @@ def single_session_forward(runner: ModelRunner):
             keys, values = kv[index, :KV, : start + n], kv[index, KV:, : start + n]
             out = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1)[None], keys[None], values[None],
                                                  attn_mask=mask, scale=runner.scaling, **gqa)[0]
-            x = x + F.linear(out.transpose(0, 1).reshape(n, H * D), layer.o, layer.o_bias)
+            x = x + F.linear(out.transpose(0, 1).reshape(n, H * D), layer.o.weight, layer.o.bias)
             h = F.rms_norm(x, x.shape[-1:], layer.norm2, runner.eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, -1)
-            x = x + F.linear(runner.act(gate) * up, layer.down, layer.down_bias)
+            gate, up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias).chunk(2, -1)
+            x = x + F.linear(runner.act(gate) * up, layer.down.weight, layer.down.bias)
         last = F.rms_norm(x, x.shape[-1:], runner.final_norm, runner.eps)
         return F.linear(last, runner.head.weight, runner.head.bias).float()
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache < 1 or args.calls < 1 or not sizes or min(sizes) < 1 or args.cache + max(sizes) > 2048:
         raise SystemExit("--cache, --calls and --tokens must be positive, and cache + tokens at most 2048")
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(load_model(args.model, torch.device("cpu"), torch.float32))
+    runner = ModelRunner(load_model(args.model, torch.device("cpu"), torch.float32), linear_kernels="aten")
     eager = single_session_forward(runner)
     ours, theirs = runner.new_cache(), runner.new_cache()
     prompt = torch.arange(args.cache) % runner.vocab_size

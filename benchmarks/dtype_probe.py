@@ -1,4 +1,5 @@
-"""Would the target be faster in another dtype here? `python -m benchmarks.dtype_probe`.
+"""Would the target be faster in another dtype, or with other matrix-product kernels, here?
+`python -m benchmarks.dtype_probe`.
 
 On a GPU the replicas serve bf16 or fp16 (`specdec.models.pick_dtype`); on a CPU they
 serve fp32, and whether a CPU's bf16 kernels pay depends on the CPU: AMX tiles (Intel
@@ -10,6 +11,10 @@ n new tokens each over caches of about `--context` positions (1×1 a draft or ta
 step, 1×5 one verification at γ = 4, 16×5 a full batch of them) — by turns, so that a slow
 spell of a shared machine weighs on every dtype alike. It prints the median ms per forward
 and each dtype's ratio to the first.
+
+`--kernels aten,auto` compares the runner's products by MKL alone (`F.linear`) with the
+kernels it picks at start-up (specdec.linear_kernels), in each dtype: every (dtype,
+kernels) pair is a runner of its own, the first the reference.
 
 The dtype changes the numbers the target computes, so it is a choice of the model served,
 made for every replica at start (`--dtype` of the replicas), never per batch: the output is
@@ -24,6 +29,7 @@ import time
 import torch
 
 from benchmarks.costs import sync_device
+from specdec.linear_kernels import MODES
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.models import BUNDLED_TARGET, load_model
 
@@ -69,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=str(BUNDLED_TARGET), help="model directory (default: the bundled target)")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help=f"dtypes to compare, the first the reference; of {', '.join(DTYPES)} (default float32,bfloat16)")
+    ap.add_argument("--kernels", default="auto",
+                    help="the runners' linear kernels to compare, of auto, aten, onednn (default auto)")
     ap.add_argument("--shapes", default="1x1,1x5,6x5,16x5",
                     help="SESSIONSxTOKENS forwards to time (default 1x1,1x5,6x5,16x5)")
     ap.add_argument("--context", type=int, default=150, help="cached positions per session (default 150)")
@@ -83,12 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not names or set(names) - set(DTYPES):
         raise SystemExit(f"--dtypes takes names of {', '.join(DTYPES)}, got {args.dtypes!r}")
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not kernels or set(kernels) - set(MODES):
+        raise SystemExit(f"--kernels takes names of {', '.join(MODES)}, got {args.kernels!r}")
     shapes = parse_shapes(args.shapes)
     if args.reps < 1 or args.context < 1:
         raise SystemExit("--reps and --context must be at least 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    runners = {n: ModelRunner(load_model(args.model, device, DTYPES[n])) for n in names}
+    names = [f"{d} {k}" if len(kernels) > 1 else d for d in names for k in kernels]
+    runners = {}
+    for name in names:
+        dtype, _, kernel = name.partition(" ")
+        runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel or kernels[0])
+        print(f"{name}: {runners[name].kernels.describe()}")
     cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}
     times: dict[tuple, list[float]] = {k: [] for k in cases}
     for case in cases.values():  # one untimed forward each: first-call allocations

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kv_cache import KVCache
+from specdec.linear_kernels import KernelTable, Product, calibrate, onednn_available
 
 
 @dataclass
@@ -80,17 +81,16 @@ def _fuse(linears: list[torch.nn.Linear], column_major: bool) -> tuple[torch.Ten
 class _Layer:
     """One decoder layer's tensors, as the packed forward uses them."""
     norm1: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) × head_dim, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv: Product  # weight [(heads + 2 kv_heads) × head_dim, hidden]
     q_norm: torch.Tensor | None  # Qwen3's per-head norms
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Product
     norm2: torch.Tensor
-    gate_up: torch.Tensor  # [2 × intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Product  # weight [2 × intermediate, hidden]
+    down: Product
+
+    def products(self) -> list[Product]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class ModelRunner:
@@ -98,13 +98,18 @@ class ModelRunner:
 
     BAND = 64  # chunks up to this many tokens take their causal mask from a table
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto") -> None:
+        """`linear_kernels`: "auto" (on a CPU, time MKL's and oneDNN's products at start-up
+        and keep the faster per row count; specdec.linear_kernels), "aten" (F.linear
+        everywhere: MKL on a CPU, cuBLAS on a GPU) or "onednn" (a CPU's packed products
+        everywhere)."""
         self.model = model.eval()
         cfg = model.config
         self.config = cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         column_major = self.device.type == "cpu"
+        self.kernels = KernelTable()
         self.layers = [self._layer(layer, column_major) for layer in model.model.layers]
         if column_major:
             column_major_linears(model)  # o, down and the LM head
@@ -121,8 +126,10 @@ class ModelRunner:
         # Parameters, whose data column_major_linears (above) has already re-laid out.
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
-        self.head = model.get_output_embeddings()
-        self.vocab_size = self.head.weight.shape[0]
+        output = model.get_output_embeddings()
+        self.head = Product(output.weight, output.bias, self.kernels)
+        self.vocab_size = output.weight.shape[0]
+        self.kernel_timings = self._choose_kernels(linear_kernels)
         self.act = F.silu if cfg.hidden_act == "silu" else model.model.layers[0].mlp.act_fn
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
                 and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
@@ -138,13 +145,27 @@ class ModelRunner:
 
     def _layer(self, layer, column_major: bool) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp
-        qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], column_major)
-        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], column_major)
+        qkv = Product(*_fuse([a.q_proj, a.k_proj, a.v_proj], column_major), self.kernels)
+        gate_up = Product(*_fuse([mlp.gate_proj, mlp.up_proj], column_major), self.kernels)
         q_norm = a.q_norm.weight if hasattr(a, "q_norm") else None
         k_norm = a.k_norm.weight if hasattr(a, "k_norm") else None
-        return _Layer(layer.input_layernorm.weight, qkv, qkv_bias, q_norm, k_norm, a.o_proj.weight,
-                      a.o_proj.bias, layer.post_attention_layernorm.weight, gate_up, gate_up_bias,
-                      mlp.down_proj.weight, mlp.down_proj.bias)
+        return _Layer(layer.input_layernorm.weight, qkv, q_norm, k_norm,
+                      Product(a.o_proj.weight, a.o_proj.bias, self.kernels),
+                      layer.post_attention_layernorm.weight, gate_up,
+                      Product(mlp.down_proj.weight, mlp.down_proj.bias, self.kernels))
+
+    def _choose_kernels(self, mode: str) -> dict[int, tuple[float, float]]:
+        """Pack the weights for oneDNN and fill the kernel table (specdec.linear_kernels);
+        on a GPU, or where oneDNN cannot take the dtype, every product is F.linear."""
+        if mode == "aten" or (mode == "auto" and not onednn_available(self.device, self.dtype)):
+            return calibrate([], self.kernels, "aten")
+        if not onednn_available(self.device, self.dtype):
+            raise ValueError(f"oneDNN's products need a CPU and float32 or bfloat16 weights, "
+                             f"not {self.device.type} {self.dtype}")
+        products = [p for layer in self.layers for p in layer.products()] + [self.head]
+        for p in products:
+            p.pack()
+        return calibrate(self.layers[0].products() + [self.head], self.kernels, mode)
 
     def _rope_tables(self) -> None:
         """cos and a sign-folded sin for every position: rotate_half(x) · sin equals
@@ -196,12 +217,12 @@ class ModelRunner:
             h = F.rms_norm(x, x.shape[-1:], layer.norm1, self.eps)
             x = x + self._attention(layer, index, h, cos, sin, items, starts, lengths, masks)
             h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, -1)
-            x = x + F.linear(self.act(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(h).chunk(2, -1)
+            x = x + layer.down(self.act(gate) * up)
         rows = [slice(e - it.logits_rows, e) for e, it in zip(accumulate(lengths), items)]
         last = x[rows[0]] if len(items) == 1 else torch.cat([x[r] for r in rows])
         last = F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps)
-        logits = F.linear(last, self.head.weight, self.head.bias).float()  # [R, vocab]
+        logits = self.head(last).float()  # [R, vocab]
         for it, s, n in zip(items, starts, lengths):
             it.cache.length = s + n
         return logits
@@ -231,7 +252,7 @@ class ModelRunner:
 
     def _attention(self, layer: _Layer, index, h, cos, sin, items, starts, lengths, masks) -> torch.Tensor:
         N, H, KV, D = h.shape[0], self.num_heads, self.kv_heads, self.head_dim
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(N, H + 2 * KV, D)
+        qkv = layer.qkv(h).view(N, H + 2 * KV, D)
         qk = qkv[:, : H + KV]
         if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
             qk.copy_(torch.cat([F.rms_norm(qk[:, :H], (D,), layer.q_norm, self.eps),
@@ -255,4 +276,4 @@ class ModelRunner:
                 qi, keys[None], values[None], attn_mask=mask, scale=self.scaling,
                 enable_gqa=KV != H)[0])  # [heads, n, dim]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-        return F.linear(out.transpose(0, 1).reshape(N, H * D), layer.o, layer.o_bias)
+        return layer.o(out.transpose(0, 1).reshape(N, H * D))

@@ -31,8 +31,9 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t0 = time.perf_counter()
-    runner = ModelRunner(load_model(args.model, device, dtype))
-    log.info("loaded %s on %s as %s in %.1fs", args.model, device, dtype, time.perf_counter() - t0)
+    runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels)
+    log.info("loaded %s on %s as %s in %.1fs; matrix products by rows: %s", args.model, device, dtype,
+             time.perf_counter() - t0, runner.kernels.describe())
     return runner
 
 
