@@ -4,12 +4,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := protos/specdec/v1/orchestrator.proto protos/specdec/internal/v1/replica.proto
 
-.PHONY: help setup venv redis proto run demo test test-fast bench bench-bf16 bench-smoke gpu-kit models loadtest soak clean
+.PHONY: help setup venv redis kernels proto run demo test test-fast bench bench-bf16 bench-smoke gpu-kit models loadtest soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-setup: venv redis  ## virtualenv with pinned packages, and redis-server
+setup: venv redis kernels  ## virtualenv with pinned packages, redis-server and the CPU kernel
+
+kernels: $(VENV)/.kernels  ## compile the 16-bit weight kernel (specdec/native) once; the servers run without it where it cannot build
+$(VENV)/.kernels: $(VENV)/.installed specdec/native/half_linear.cpp specdec/half_weights.py
+	$(PY) -m specdec.half_weights || echo "the servers will use their float32 kernels"
+	touch $@
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt deploy/requirements.txt

@@ -46,10 +46,11 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
     ap.add_argument("--device", default=env("DEVICE", "auto"), help="auto|cpu|cuda[:N] [SPECDEC_DEVICE]")
     ap.add_argument("--dtype", default=env("DTYPE", "auto"),
                     help="auto (fp32 on CPU, bf16 on GPU)|float32|bfloat16|float16 [SPECDEC_DTYPE]")
-    ap.add_argument("--linear-kernels", choices=("auto", "aten", "onednn"), default=env("LINEAR_KERNELS", "auto"),
-                    help="matrix products on a CPU: auto (time MKL's and oneDNN's packed products at start "
-                         "and keep the faster per row count), aten (F.linear: MKL) or onednn; a GPU always "
-                         "uses F.linear under auto [SPECDEC_LINEAR_KERNELS]")
+    ap.add_argument("--linear-kernels", choices=("auto", "aten", "onednn", "half"), default=env("LINEAR_KERNELS", "auto"),
+                    help="matrix products on a CPU: auto (time the kernels this machine has at start and keep "
+                         "the fastest per row count), aten (F.linear: MKL), onednn (packed once), half "
+                         "(16-bit weights where that loses nothing); a GPU always uses F.linear under auto "
+                         "[SPECDEC_LINEAR_KERNELS]")
     ap.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 256)),
                     help="sessions held before LRU eviction of idle ones [SPECDEC_MAX_SESSIONS]")
     ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),

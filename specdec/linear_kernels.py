@@ -1,19 +1,25 @@
-"""The packed forward's matrix products on a CPU, each by the faster of two kernels for
-its number of rows.
+"""The packed forward's matrix products on a CPU, each by the fastest of up to three
+kernels for its number of rows.
 
 A replica multiplies a few rows by each weight: one for a lone decode step, γ + 1 for a
-verification, a few dozen for a batch. MKL's product (what `F.linear` calls) is the
-fastest at one row, but from two rows on it repacks the weight on every call and costs
-about what the arithmetic of many more rows would: on the AVX-512 EPYC the target's 49
-products took 3.7 ms at one row and 7.3 at five. oneDNN's product over a weight packed
-once at start-up stays near the one-row cost (3.8 ms at five rows, 4.3 at nine), because
-a step is bound by streaming the weights, whatever the rows. Which kernel wins where
-depends on the CPU, so a runner times both on its own shapes at start-up
-(`calibrate`) and keeps, per range of row counts, the faster one.
+verification, a few dozen for a batch, and on a CPU such a product costs about what
+streaming its weight costs. The kernels:
 
-The two kernels round differently in the last bits; either gives the model's numbers to
-float precision (tests/specdec/test_linear_kernels.py), and speculation's output law does
-not depend on which one ran.
+- "aten": `F.linear` (MKL on a CPU). The fastest float32 kernel at one row, but from two
+  rows on it repacks the weight on every call: on the AVX-512 EPYC the target's 49
+  products took 3.7 ms at one row and 7.3 at five.
+- "onednn": oneDNN's product over a weight packed once at start-up, which stays near the
+  one-row cost (3.8 ms at five rows, 4.3 at nine).
+- "half": where every weight of the model is a 16-bit value (a float16 or bfloat16
+  checkpoint served in float32, as the bundled pair), the weights held in 16 bits and
+  widened in the kernel (specdec.half_weights): the same numbers from half the bytes
+  (2.5 ms at one row, 3.2 at five).
+
+Which wins where depends on the CPU, so a runner times the kernels it has on its own
+weights at start-up (`calibrate`) and keeps, per range of row counts, the fastest. The
+kernels round differently in the last bits; each gives the model's numbers to float
+precision (tests/specdec/test_linear_kernels.py), and speculation's output law does not
+depend on which one ran.
 """
 from __future__ import annotations
 
@@ -24,15 +30,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specdec import half_weights
+
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "aten", "onednn")
+KERNELS = ("aten", "onednn", "half")
+MODES = ("auto",) + KERNELS
 # row-count ranges timed apart: a product of n rows falls in the first range whose bound is
 # ≥ n (the last one takes every larger n); each range is timed at its representative
 BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
 PROBES = (1, 2, 4, 6, 12, 24, 48, 96)
 PACK_HINT = 16  # the row count oneDNN lays the weight out for (4..128 timed within 3 %)
-MARGIN = 0.95  # oneDNN is kept only where it takes under this share of MKL's time
+MARGIN = 0.95  # another kernel replaces aten only where it takes under this share of aten's time
+SAMPLE_BYTES = 64 << 20  # calibrate over weights of at least this size (more than a CPU's L3), or all
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,24 +52,26 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 @dataclass
 class KernelTable:
-    """Per row count, whether oneDNN's packed product runs (else MKL's)."""
-    packed: list[bool] = field(default_factory=lambda: [False] * len(BOUNDS))
+    """Per range of row counts, the kernel that runs (an index into KERNELS)."""
+    kernels: list[int] = field(default_factory=lambda: [0] * len(BOUNDS))
 
-    def use_packed(self, rows: int) -> bool:
-        for bound, packed in zip(BOUNDS, self.packed):
+    def kernel(self, rows: int) -> int:
+        for bound, k in zip(BOUNDS, self.kernels):
             if rows <= bound:
-                return packed
-        return self.packed[-1]
+                return k
+        return self.kernels[-1]
+
+    def used(self) -> set[str]:
+        return {KERNELS[k] for k in self.kernels}
 
     def describe(self) -> str:
-        """'1: aten, 2-4: onednn, …' — ranges merged where the kernel is the same."""
+        """'1: aten, 2-8: half, 9+: onednn': ranges merged where the kernel is the same."""
         parts, lo = [], 1
-        for i, (bound, packed) in enumerate(zip(BOUNDS, self.packed)):
+        for i, (bound, k) in enumerate(zip(BOUNDS, self.kernels)):
             last = i == len(BOUNDS) - 1
-            if last or self.packed[i + 1] != packed:
-                hi = "" if last else str(bound)
-                span = f"{lo}+" if last else (str(lo) if lo == bound else f"{lo}-{hi}")
-                parts.append(f"{span}: {'onednn' if packed else 'aten'}")
+            if last or self.kernels[i + 1] != k:
+                span = f"{lo}+" if last else (str(lo) if lo == bound else f"{lo}-{bound}")
+                parts.append(f"{span}: {KERNELS[k]}")
                 lo = bound + 1
         return ", ".join(parts)
 
@@ -68,50 +80,124 @@ class Product:
     """One weight (and bias) as the forward multiplies by it: `product(x)` is
     `F.linear(x, weight, bias)` by whichever kernel the table picks for x's rows."""
 
-    __slots__ = ("weight", "bias", "packed", "table")
+    __slots__ = ("weight", "bias", "table", "packed", "half")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable) -> None:
         self.weight, self.bias, self.table = weight, bias, table
-        self.packed = None
+        self.packed = self.half = None
 
-    def pack(self) -> None:
-        """oneDNN's copy of the weight, laid out once for its product."""
+    def pack_onednn(self) -> None:
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), PACK_HINT)
 
+    def pack_half(self, dtype: torch.dtype, panel: int) -> None:
+        with torch.no_grad():
+            self.half = half_weights.pack(self.weight, dtype, panel)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.table.use_packed(x.shape[0]):
+        k = self.table.kernel(x.shape[0])
+        if k == 2:
+            return half_weights.kernel().half_linear(x, self.half, self.weight.shape[0], self.bias)
+        if k == 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def aten(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, kernel: int, x: torch.Tensor) -> torch.Tensor:
+        """`x` through the given kernel, whatever the table says (for timing)."""
+        if kernel == 2:
+            return half_weights.kernel().half_linear(x, self.half, self.weight.shape[0], self.bias)
+        if kernel == 1:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-
-def calibrate(sample: list[Product], table: KernelTable, mode: str, rounds: int = 5) -> dict[int, tuple[float, float]]:
-    """Fill `table` for `mode` ("aten", "onednn" or "auto"). Under "auto", time both kernels
-    over `sample` (packed products of every shape the forward uses: one layer's and the
-    head) at each range's representative row count, by turns, best of `rounds`, and keep
-    oneDNN where it is faster by the margin. Returns {rows: (aten ms, onednn ms)}, empty
-    unless timed."""
+def prepare(products: list[Product], table: KernelTable, mode: str, device: torch.device,
+            dtype: torch.dtype) -> dict[int, dict[str, float]]:
+    """Give the products the copies their kernels need and fill `table` for `mode`: one
+    kernel everywhere, or under "auto" the fastest of those this machine has, per range
+    (`calibrate`). Copies no range uses are dropped. Returns the timings (empty unless
+    timed)."""
     if mode not in MODES:
         raise ValueError(f"linear kernels must be one of {', '.join(MODES)}, not {mode!r}")
-    table.packed = [mode == "onednn"] * len(BOUNDS)
-    if mode != "auto" or not sample:
-        return {}
+    have = ["aten"]
+    if mode in ("auto", "onednn"):
+        if onednn_available(device, dtype):
+            have.append("onednn")
+        elif mode == "onednn":
+            raise ValueError(f"oneDNN's products need a CPU and float32 or bfloat16 weights, "
+                             f"not {device.type} {dtype}")
+    if mode in ("auto", "half"):
+        why = _half_unavailable(products, device, dtype)
+        if why is None:
+            have.append("half")
+        elif mode == "half":
+            raise ValueError(f"16-bit weights cannot serve this model: {why}")
+    if "onednn" in have:
+        for p in products:
+            p.pack_onednn()
+    if "half" in have:
+        dtypes = [half_weights.lossless_dtype(p.weight) for p in products]
+        panel = half_weights.kernel().panel_width()
+        for p, d in zip(products, dtypes):
+            p.pack_half(d, panel)
+    timings = {}
+    if mode == "auto" and len(have) > 1:
+        timings = calibrate(_sample(products), table, [KERNELS.index(k) for k in have])
+    else:
+        table.kernels = [KERNELS.index(mode if mode != "auto" else "aten")] * len(BOUNDS)
+    used = table.used()
+    for p in products:
+        if "onednn" not in used:
+            p.packed = None
+        if "half" not in used:
+            p.half = None
+    return timings
+
+
+def _half_unavailable(products: list[Product], device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the 16-bit kernel cannot serve these weights, or None if it can."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"it serves float32 models on a CPU, not {device.type} {dtype}"
+    if not products or any(half_weights.lossless_dtype(p.weight) is None for p in products):
+        return "some weights are not float16 or bfloat16 values"
+    if half_weights.kernel() is None:
+        return f"the kernel did not build: {half_weights.unavailable_reason()}"
+    return None
+
+
+def _sample(products: list[Product]) -> list[Product]:
+    """Products whose weights add up to SAMPLE_BYTES (or all): a working set as large as a
+    forward's, so that each kernel is timed streaming its weights from memory, as it will."""
+    sample, total = [], 0
+    for p in products:
+        sample.append(p)
+        total += p.weight.numel() * p.weight.element_size()
+        if total >= SAMPLE_BYTES:
+            break
+    return sample
+
+
+def calibrate(sample: list[Product], table: KernelTable, kernels: list[int],
+              rounds: int = 3) -> dict[int, dict[str, float]]:
+    """Time `kernels` (indices into KERNELS, aten first) over `sample` at each range's
+    representative row count, by turns, best of `rounds`, and fill `table` with the fastest
+    per range (aten unless another takes under MARGIN of its time). Returns
+    {rows: {kernel: ms}}."""
     timings = {}
     for rows in PROBES:
         xs = [torch.randn(rows, p.weight.shape[1], dtype=p.weight.dtype, device=p.weight.device) for p in sample]
-        best = [float("inf"), float("inf")]
+        best = {k: float("inf") for k in kernels}
         for _ in range(rounds + 1):  # the first round also creates oneDNN's kernels for the shape
-            for k, kernel in enumerate((Product.aten, Product.onednn)):
+            for k in kernels:
                 t0 = time.perf_counter()
                 for p, x in zip(sample, xs):
-                    kernel(p, x)
+                    p.run(k, x)
                 best[k] = min(best[k], time.perf_counter() - t0)
-        timings[rows] = (best[0] * 1e3, best[1] * 1e3)
-    table.packed = [timings[r][1] < MARGIN * timings[r][0] for r in PROBES]
+        timings[rows] = {KERNELS[k]: t * 1e3 for k, t in best.items()}
+    chosen = []
+    for rows in PROBES:
+        t = timings[rows]
+        fastest = min(t, key=t.get)
+        chosen.append(KERNELS.index(fastest) if t[fastest] < MARGIN * t["aten"] else 0)
+    table.kernels = chosen
     return timings

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kv_cache import KVCache
-from specdec.linear_kernels import KernelTable, Product, calibrate, onednn_available
+from specdec.linear_kernels import KernelTable, Product, prepare
 
 
 @dataclass
@@ -99,10 +99,10 @@ class ModelRunner:
     BAND = 64  # chunks up to this many tokens take their causal mask from a table
 
     def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto") -> None:
-        """`linear_kernels`: "auto" (on a CPU, time MKL's and oneDNN's products at start-up
-        and keep the faster per row count; specdec.linear_kernels), "aten" (F.linear
-        everywhere: MKL on a CPU, cuBLAS on a GPU) or "onednn" (a CPU's packed products
-        everywhere)."""
+        """`linear_kernels`: "auto" (on a CPU, time the product kernels this machine has at
+        start-up and keep the fastest per row count; specdec.linear_kernels), or one kernel
+        everywhere: "aten" (F.linear: MKL on a CPU, cuBLAS on a GPU), "onednn" (a CPU's
+        packed products) or "half" (16-bit weights, where that loses nothing)."""
         self.model = model.eval()
         cfg = model.config
         self.config = cfg
@@ -154,18 +154,11 @@ class ModelRunner:
                       layer.post_attention_layernorm.weight, gate_up,
                       Product(mlp.down_proj.weight, mlp.down_proj.bias, self.kernels))
 
-    def _choose_kernels(self, mode: str) -> dict[int, tuple[float, float]]:
-        """Pack the weights for oneDNN and fill the kernel table (specdec.linear_kernels);
-        on a GPU, or where oneDNN cannot take the dtype, every product is F.linear."""
-        if mode == "aten" or (mode == "auto" and not onednn_available(self.device, self.dtype)):
-            return calibrate([], self.kernels, "aten")
-        if not onednn_available(self.device, self.dtype):
-            raise ValueError(f"oneDNN's products need a CPU and float32 or bfloat16 weights, "
-                             f"not {self.device.type} {self.dtype}")
+    def _choose_kernels(self, mode: str) -> dict[int, dict[str, float]]:
+        """The kernel of every product by row count (specdec.linear_kernels); on a GPU, or
+        where no other kernel can take the weights, every product is F.linear."""
         products = [p for layer in self.layers for p in layer.products()] + [self.head]
-        for p in products:
-            p.pack()
-        return calibrate(self.layers[0].products() + [self.head], self.kernels, mode)
+        return prepare(products, self.kernels, mode, self.device, self.dtype)
 
     def _rope_tables(self) -> None:
         """cos and a sign-folded sin for every position: rotate_half(x) · sin equals

@@ -16,6 +16,15 @@ from tests.stacks import started_stack, stopped
 torch.set_num_threads(1)  # the servers under test share this machine's cores
 
 
+@pytest.fixture(scope="session", autouse=True)
+def half_weight_kernel():
+    """The 16-bit weight kernel compiled (make setup does it) or loaded before any server
+    starts, so that no replica's start waits for the compiler."""
+    from specdec import half_weights
+
+    return half_weights.kernel()
+
+
 @pytest.fixture(scope="session")
 def bundled_paths():
     assert (BUNDLED_TARGET / "model.safetensors").exists(), "bundled models missing: run `make models`"

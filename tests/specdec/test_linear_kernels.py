@@ -1,58 +1,109 @@
-"""The runner's two CPU product kernels: each gives F.linear's numbers to float precision at
-any row count, the table sends each row count to the kernel chosen for its range, and a
-runner on either kernel computes the model's logits."""
+"""The runner's CPU product kernels: each gives F.linear's numbers to float precision at any
+row count, the table sends each row count to the kernel chosen for its range, and a runner
+on any kernel computes the model's logits."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.linear_kernels import BOUNDS, PROBES, KernelTable, Product, calibrate
+from specdec import half_weights
+from specdec.linear_kernels import BOUNDS, KERNELS, PROBES, KernelTable, Product, calibrate, prepare
 from specdec.model_runner import ForwardItem, ModelRunner
 from tests.specdec.test_model_runner import reference_logits
 
+CPU = torch.device("cpu")
+
 
 def test_every_row_count_falls_in_its_range():
-    table = KernelTable([False, False, True, True, True, True, False, True])
-    assert [table.use_packed(n) for n in (1, 2, 3, 4, 5, 64, 65, 128, 129, 10_000)] == \
-        [False, False, True, True, True, False, True, True, True, True]
-    assert table.describe() == "1-2: aten, 3-32: onednn, 33-64: aten, 65+: onednn"
-    assert KernelTable().describe() == "1+: aten"
+    table = KernelTable([0, 0, 1, 1, 2, 2, 0, 1])
+    assert [KERNELS[table.kernel(n)] for n in (1, 2, 3, 4, 5, 16, 17, 32, 33, 64, 65, 10_000)] == \
+        ["aten", "aten", "onednn", "onednn", "onednn", "half", "half", "half", "aten", "aten", "onednn", "onednn"]
+    assert table.describe() == "1-2: aten, 3-8: onednn, 9-32: half, 33-64: aten, 65+: onednn"
+    assert KernelTable().describe() == "1+: aten" and table.used() == {"aten", "onednn", "half"}
     assert all(lo <= hi for lo, hi in zip(PROBES, BOUNDS))  # each range is timed at a row count inside it
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_the_packed_product_is_f_linear_at_every_row_count(dtype, tol):
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(300, 96, generator=gen).to(dtype)
-    bias = torch.randn(300, generator=gen).to(dtype)
-    for with_bias in (None, bias):
-        product = Product(weight, with_bias, KernelTable([True] * len(BOUNDS)))
-        product.pack()
-        for rows in (1, 2, 5, 17, 130):
-            x = torch.randn(rows, 96, generator=gen).to(dtype)
-            expected = F.linear(x.float(), weight.float(), None if with_bias is None else with_bias.float())
+def _products(dtype, out=300, inner=96, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, inner, generator=gen).to(dtype).float()  # 16-bit values held in float32
+    if dtype == torch.bfloat16:
+        weight *= 2.0**20  # past float16's range, so that they are held as bfloat16
+    b = torch.randn(out, generator=gen) if bias else None
+    return weight, b
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "half"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out,inner", [(300, 96), (64, 256), (4096, 256), (70, 33)])
+def test_each_kernel_is_f_linear_at_every_row_count(kernel, dtype, out, inner):
+    weight, bias = _products(dtype, out, inner)
+    for b in (None, bias):
+        table = KernelTable([KERNELS.index(kernel)] * len(BOUNDS))
+        product = Product(weight, b, table)
+        prepare([product], table, kernel, CPU, torch.float32)
+        if kernel == "half":
+            assert product.half.dtype == dtype
+        for rows in (1, 2, 5, 6, 7, 17, 130):
+            x = torch.randn(rows, inner)
+            expected = F.linear(x, weight, b)
             got = product(x)
-            assert got.dtype == dtype and got.shape == (rows, 300)
-            assert torch.allclose(got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+            assert got.dtype == torch.float32 and got.shape == (rows, out)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_calibration_fills_the_table_for_each_mode():
+def test_sixteen_bits_only_where_they_lose_nothing():
+    weight, _ = _products(torch.float16)
+    assert half_weights.lossless_dtype(weight) == torch.float16
+    assert half_weights.lossless_dtype(_products(torch.bfloat16)[0]) == torch.bfloat16
+    assert half_weights.lossless_dtype(weight + 1e-4) is None  # float32 values: never narrowed
+    assert half_weights.lossless_dtype(weight.half()) is None  # only float32 weights are narrowed
+    packed = half_weights.pack(weight, torch.float16, 64)  # [300, 96] → 5 panels of 64, zero-padded
+    assert packed.shape == (5, 96, 64) and packed.dtype == torch.float16
+    assert torch.equal(packed.transpose(1, 2).reshape(320, 96)[:300].float(), weight)
+    assert not packed[4, :, 300 - 256:].any()
     table = KernelTable()
-    product = Product(torch.randn(64, 32), None, table)
-    product.pack()
-    assert calibrate([product], table, "onednn") == {} and all(table.packed)
-    assert calibrate([product], table, "aten") == {} and not any(table.packed)
-    timings = calibrate([product], table, "auto", rounds=1)
-    assert sorted(timings) == sorted(PROBES) and all(a > 0 and b > 0 for a, b in timings.values())
-    assert table.packed == [timings[r][1] < 0.95 * timings[r][0] for r in PROBES]
-    with pytest.raises(ValueError, match="auto, aten, onednn"):
-        calibrate([product], table, "mkl")
+    with pytest.raises(ValueError, match="not float16 or bfloat16 values"):
+        prepare([Product(weight + 1e-4, None, table)], table, "half", CPU, torch.float32)
 
 
-@pytest.mark.parametrize("kernels", ["aten", "onednn", "auto"])
-def test_a_runner_on_either_kernel_computes_the_models_logits(target_model, kernels):
+def test_the_kernel_builds_here_and_names_its_instruction_set():
+    module = half_weights.kernel()
+    assert module is not None, half_weights.unavailable_reason()
+    assert module.isa() in ("avx512", "avx2", "scalar")
+    assert module.panel_width() == {"avx512": 64, "avx2": 16, "scalar": 16}[module.isa()]
+    weight, _ = _products(torch.float16, 64, 32)
+    with pytest.raises(RuntimeError, match="packed for panels of"):
+        module.half_linear(torch.randn(2, 32), half_weights.pack(weight, torch.float16, 8), 64, None)
+    with pytest.raises(RuntimeError, match="x has 31 columns"):
+        module.half_linear(torch.randn(2, 31), half_weights.pack(weight, torch.float16, module.panel_width()), 64, None)
+
+
+def test_calibration_keeps_the_fastest_kernel_per_range_and_drops_unused_copies():
+    weight, bias = _products(torch.float16, 512, 256)
+    table = KernelTable()
+    products = [Product(weight, bias, table) for _ in range(3)]
+    timings = prepare(products, table, "auto", CPU, torch.float32)
+    assert sorted(timings) == sorted(PROBES)
+    for rows, kernel in zip(PROBES, table.kernels):
+        t = timings[rows]
+        assert set(t) == set(KERNELS) and all(ms > 0 for ms in t.values())
+        fastest = min(t, key=t.get)
+        assert KERNELS[kernel] == (fastest if t[fastest] < 0.95 * t["aten"] else "aten")
+    used = table.used()
+    assert all((p.packed is not None) == ("onednn" in used) and (p.half is not None) == ("half" in used)
+               for p in products)
+    assert prepare(products, table, "aten", CPU, torch.float32) == {} and table.used() == {"aten"}
+    with pytest.raises(ValueError, match="auto, aten, onednn, half"):
+        prepare(products, table, "mkl", CPU, torch.float32)
+    assert calibrate  # the timing loop itself is what prepare ran above
+
+
+@pytest.mark.parametrize("kernels", ["aten", "onednn", "half", "auto"])
+def test_a_runner_on_any_kernel_computes_the_models_logits(target_model, kernels):
     runner = ModelRunner(target_model, linear_kernels=kernels)
-    assert all(runner.kernels.packed) if kernels == "onednn" else True
-    assert not any(runner.kernels.packed) if kernels == "aten" else True
+    if kernels != "auto":
+        assert runner.kernels.used() == {kernels}
     gen = torch.Generator().manual_seed(5)
     a = torch.randint(0, runner.vocab_size, (30,), generator=gen)
     b = torch.randint(0, runner.vocab_size, (9,), generator=gen)
@@ -65,13 +116,10 @@ def test_a_runner_on_either_kernel_computes_the_models_logits(target_model, kern
     assert torch.allclose(both[1], reference_logits(target_model, b)[-5:], atol=1e-4)
 
 
-def test_a_gpu_or_an_unsupported_dtype_refuses_onednn_and_auto_falls_back(draft_model):
-    half = ModelRunner(_copy(draft_model).half(), linear_kernels="auto")
-    assert not any(half.kernels.packed) and half.kernel_timings == {}
+def test_a_model_with_no_other_kernel_uses_f_linear_and_a_forced_one_is_refused(draft_model):
+    half = ModelRunner(copy.deepcopy(draft_model).half(), linear_kernels="auto")  # float16 on a CPU
+    assert half.kernels.used() == {"aten"} and half.kernel_timings == {}
     with pytest.raises(ValueError, match="oneDNN"):
-        ModelRunner(_copy(draft_model).half(), linear_kernels="onednn")
-
-
-def _copy(model):
-    import copy
-    return copy.deepcopy(model)
+        ModelRunner(copy.deepcopy(draft_model).half(), linear_kernels="onednn")
+    with pytest.raises(ValueError, match="float32 models on a CPU"):
+        ModelRunner(copy.deepcopy(draft_model).half(), linear_kernels="half")
