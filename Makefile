@@ -9,11 +9,11 @@ PROTOS := protos/specdec/v1/orchestrator.proto protos/specdec/internal/v1/replic
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-setup: venv redis kernels  ## virtualenv with pinned packages, redis-server and the CPU kernel
+setup: venv redis kernels  ## virtualenv with pinned packages, redis-server and the CPU kernels
 
-kernels: $(VENV)/.kernels  ## compile the 16-bit weight kernel (specdec/native) once; the servers run without it where it cannot build
-$(VENV)/.kernels: $(VENV)/.installed specdec/native/half_linear.cpp specdec/half_weights.py
-	$(PY) -m specdec.half_weights || echo "the servers will use their float32 kernels"
+kernels: $(VENV)/.kernels  ## compile the CPU kernels (specdec/native) once; the servers run without them where they cannot build
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard specdec/native/*.cpp specdec/native/*.h) specdec/native/__init__.py
+	$(PY) -m specdec.native || echo "the servers will use torch's operators"
 	touch $@
 
 venv: $(VENV)/.installed

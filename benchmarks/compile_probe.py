@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache < 1 or args.calls < 1 or not sizes or min(sizes) < 1 or args.cache + max(sizes) > 2048:
         raise SystemExit("--cache, --calls and --tokens must be positive, and cache + tokens at most 2048")
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(load_model(args.model, torch.device("cpu"), torch.float32), linear_kernels="aten")
+    runner = ModelRunner(load_model(args.model, torch.device("cpu"), torch.float32), linear_kernels="aten", attention="sdpa")
     eager = single_session_forward(runner)
     ours, theirs = runner.new_cache(), runner.new_cache()
     prompt = torch.arange(args.cache) % runner.vocab_size

@@ -13,8 +13,9 @@ spell of a shared machine weighs on every dtype alike. It prints the median ms p
 and each dtype's ratio to the first.
 
 `--kernels aten,auto` compares the runner's products by MKL alone (`F.linear`) with the
-kernels it picks at start-up (specdec.linear_kernels), in each dtype: every (dtype,
-kernels) pair is a runner of its own, the first the reference.
+kernels it picks at start-up (specdec.linear_kernels), and `--attention sdpa,native`
+torch's attention per session with specdec.native's one call per layer: every (dtype,
+kernels, attention) combination is a runner of its own, the first the reference.
 
 The dtype changes the numbers the target computes, so it is a choice of the model served,
 made for every replica at start (`--dtype` of the replicas), never per batch: the output is
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"dtypes to compare, the first the reference; of {', '.join(DTYPES)} (default float32,bfloat16)")
     ap.add_argument("--kernels", default="auto",
                     help="the runners' linear kernels to compare, of auto, aten, onednn (default auto)")
+    ap.add_argument("--attention", default="auto",
+                    help="the runners' attention to compare, of auto, native, sdpa (default auto)")
     ap.add_argument("--shapes", default="1x1,1x5,6x5,16x5",
                     help="SESSIONSxTOKENS forwards to time (default 1x1,1x5,6x5,16x5)")
     ap.add_argument("--context", type=int, default=150, help="cached positions per session (default 150)")
@@ -94,17 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if not kernels or set(kernels) - set(MODES):
         raise SystemExit(f"--kernels takes names of {', '.join(MODES)}, got {args.kernels!r}")
+    attention = [a.strip() for a in args.attention.split(",") if a.strip()]
+    if not attention or set(attention) - {"auto", "native", "sdpa"}:
+        raise SystemExit(f"--attention takes names of auto, native, sdpa, got {args.attention!r}")
     shapes = parse_shapes(args.shapes)
     if args.reps < 1 or args.context < 1:
         raise SystemExit("--reps and --context must be at least 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    names = [f"{d} {k}" if len(kernels) > 1 else d for d in names for k in kernels]
+    variants = {}
+    for d in names:
+        for k in kernels:
+            for a in attention:
+                name = " ".join([d] + ([k] if len(kernels) > 1 else []) + ([a] if len(attention) > 1 else []))
+                variants[name] = (d, k, a)
+    names = list(variants)
     runners = {}
-    for name in names:
-        dtype, _, kernel = name.partition(" ")
-        runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel or kernels[0])
-        print(f"{name}: {runners[name].kernels.describe()}")
+    for name, (dtype, kernel, att) in variants.items():
+        runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel, attention=att)
+        print(f"{name}: products {runners[name].kernels.describe()}; attention {runners[name].attention}")
     cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}
     times: dict[tuple, list[float]] = {k: [] for k in cases}
     for case in cases.values():  # one untimed forward each: first-call allocations

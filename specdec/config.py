@@ -51,6 +51,9 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                          "the fastest per row count), aten (F.linear: MKL), onednn (packed once), half "
                          "(16-bit weights where that loses nothing); a GPU always uses F.linear under auto "
                          "[SPECDEC_LINEAR_KERNELS]")
+    ap.add_argument("--attention", choices=("auto", "native", "sdpa"), default=env("ATTENTION", "auto"),
+                    help="auto (native on a CPU in float32, else sdpa), native (every session's attention "
+                         "of a layer in one C++ call) or sdpa (torch's, per session) [SPECDEC_ATTENTION]")
     ap.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 256)),
                     help="sessions held before LRU eviction of idle ones [SPECDEC_MAX_SESSIONS]")
     ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec import half_weights
+from specdec import half_weights, native
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Product:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.table.kernel(x.shape[0])
         if k == 2:
-            return half_weights.kernel().half_linear(x, self.half, self.weight.shape[0], self.bias)
+            return native.module().half_linear(x, self.half, self.weight.shape[0], self.bias)
         if k == 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -105,7 +105,7 @@ class Product:
     def run(self, kernel: int, x: torch.Tensor) -> torch.Tensor:
         """`x` through the given kernel, whatever the table says (for timing)."""
         if kernel == 2:
-            return half_weights.kernel().half_linear(x, self.half, self.weight.shape[0], self.bias)
+            return native.module().half_linear(x, self.half, self.weight.shape[0], self.bias)
         if kernel == 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -137,7 +137,7 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
             p.pack_onednn()
     if "half" in have:
         dtypes = [half_weights.lossless_dtype(p.weight) for p in products]
-        panel = half_weights.kernel().panel_width()
+        panel = native.module().panel_width()
         for p, d in zip(products, dtypes):
             p.pack_half(d, panel)
     timings = {}
@@ -160,8 +160,8 @@ def _half_unavailable(products: list[Product], device: torch.device, dtype: torc
         return f"it serves float32 models on a CPU, not {device.type} {dtype}"
     if not products or any(half_weights.lossless_dtype(p.weight) is None for p in products):
         return "some weights are not float16 or bfloat16 values"
-    if half_weights.kernel() is None:
-        return f"the kernel did not build: {half_weights.unavailable_reason()}"
+    if native.module() is None:
+        return f"the kernel did not build: {native.unavailable_reason()}"
     return None
 
 

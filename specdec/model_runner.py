@@ -13,10 +13,14 @@ a table lookup and a roll, the causal mask a slice of a precomputed table. The n
 are the ones Hugging Face's own modules compute (same operations in the same order;
 tests/specdec/test_model_runner.py checks the logits), only with fewer dispatches.
 
-Attention stays one call per session: a single call over a batch's caches needs them in
-one tensor, padded to the longest and, for a batch of scattered sessions, gathered first,
-and at these shapes attention is bound by arithmetic, so padding and gathering cost about
-what the saved calls do (`python -m benchmarks.attention_probe`, benchmarks/HISTORY.md, "One attention call per batch").
+On a CPU in float32, attention is one call per layer for all sessions
+(specdec/native/packed_attention.cpp): it writes each session's new keys and values into
+that session's cache and attends from its rows to its own cache, with no padding or
+gathering, where torch's SDPA takes a cache write, two views and a call per session and
+layer. Elsewhere (a GPU, other dtypes, no compiler) it is SDPA per session: one call over
+a batch would need the caches in one tensor, padded to the longest and gathered first,
+which costs about what the saved calls do (`python -m benchmarks.attention_probe`,
+benchmarks/HISTORY.md, "One attention call per batch").
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from specdec import native
 from specdec.kv_cache import KVCache
 from specdec.linear_kernels import KernelTable, Product, prepare
 
@@ -98,11 +103,14 @@ class ModelRunner:
 
     BAND = 64  # chunks up to this many tokens take their causal mask from a table
 
-    def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto", attention: str = "auto") -> None:
         """`linear_kernels`: "auto" (on a CPU, time the product kernels this machine has at
         start-up and keep the fastest per row count; specdec.linear_kernels), or one kernel
         everywhere: "aten" (F.linear: MKL on a CPU, cuBLAS on a GPU), "onednn" (a CPU's
-        packed products) or "half" (16-bit weights, where that loses nothing)."""
+        packed products) or "half" (16-bit weights, where that loses nothing).
+        `attention`: "native" (every session's attention of a layer in one call of
+        specdec.native's packed_attention: float32 on a CPU), "sdpa" (torch's
+        scaled_dot_product_attention per session) or "auto" (native where it can run)."""
         self.model = model.eval()
         cfg = model.config
         self.config = cfg
@@ -130,6 +138,7 @@ class ModelRunner:
         self.head = Product(output.weight, output.bias, self.kernels)
         self.vocab_size = output.weight.shape[0]
         self.kernel_timings = self._choose_kernels(linear_kernels)
+        self._packed_attention = self._choose_attention(attention)
         self.act = F.silu if cfg.hidden_act == "silu" else model.model.layers[0].mlp.act_fn
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
                 and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
@@ -159,6 +168,24 @@ class ModelRunner:
         where no other kernel can take the weights, every product is F.linear."""
         products = [p for layer in self.layers for p in layer.products()] + [self.head]
         return prepare(products, self.kernels, mode, self.device, self.dtype)
+
+    def _choose_attention(self, mode: str):
+        """specdec.native's packed_attention, or None for torch's SDPA per session."""
+        if mode not in ("auto", "native", "sdpa"):
+            raise ValueError(f"attention must be auto, native or sdpa, not {mode!r}")
+        fits = self.device.type == "cpu" and self.dtype == torch.float32
+        if mode == "sdpa" or (mode == "auto" and not fits):
+            return None
+        if not fits:
+            raise ValueError(f"native attention serves float32 models on a CPU, not {self.device.type} {self.dtype}")
+        module = native.module()
+        if module is None and mode == "native":
+            raise ValueError(f"native attention did not build: {native.unavailable_reason()}")
+        return None if module is None else module.packed_attention
+
+    @property
+    def attention(self) -> str:
+        return "sdpa" if self._packed_attention is None else "native"
 
     def _rope_tables(self) -> None:
         """cos and a sign-folded sin for every position: rotate_half(x) · sin equals
@@ -204,11 +231,14 @@ class ModelRunner:
             positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
                                      device=self.device)
         cos, sin = self._rotation(positions)
-        masks = [self._mask(s, n) for s, n in zip(starts, lengths)]
+        if self._packed_attention is None:
+            masks, kvs = [self._mask(s, n) for s, n in zip(starts, lengths)], None
+        else:  # the caches' buffers, which the reservations above have settled for this forward
+            masks, kvs = None, [it.cache.kv for it in items]
         x = F.embedding(ids, self.embed)  # [N, hidden]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.norm1, self.eps)
-            x = x + self._attention(layer, index, h, cos, sin, items, starts, lengths, masks)
+            x = x + self._attention(layer, index, h, cos, sin, items, starts, lengths, masks, kvs)
             h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
             gate, up = layer.gate_up(h).chunk(2, -1)
             x = x + layer.down(self.act(gate) * up)
@@ -243,7 +273,7 @@ class ModelRunner:
             cos, sin = self._rope(positions)
         return cos[:, None], sin[:, None]
 
-    def _attention(self, layer: _Layer, index, h, cos, sin, items, starts, lengths, masks) -> torch.Tensor:
+    def _attention(self, layer: _Layer, index, h, cos, sin, items, starts, lengths, masks, kvs) -> torch.Tensor:
         N, H, KV, D = h.shape[0], self.num_heads, self.kv_heads, self.head_dim
         qkv = layer.qkv(h).view(N, H + 2 * KV, D)
         qk = qkv[:, : H + KV]
@@ -255,6 +285,9 @@ class ModelRunner:
         # The same operators as qk · cos + roll(qk) · sin, so the same numbers.
         turned = qk.roll(D // 2, -1).mul_(sin)
         qk.mul_(cos).add_(turned)
+        if kvs is not None:  # every session's cache write and attention in one native call
+            out = self._packed_attention(qkv, H, KV, kvs, starts, lengths, index, self.scaling)
+            return layer.o(out)
         kv = qkv[:, H:].transpose(0, 1)  # [2 × kv_heads, N, dim]
         q = qk[:, :H].transpose(0, 1)  # [heads, N, dim]
         if len(items) == 1:

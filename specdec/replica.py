@@ -31,9 +31,10 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t0 = time.perf_counter()
-    runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels)
-    log.info("loaded %s on %s as %s in %.1fs; matrix products by rows: %s", args.model, device, dtype,
-             time.perf_counter() - t0, runner.kernels.describe())
+    runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels,
+                         attention=args.attention)
+    log.info("loaded %s on %s as %s in %.1fs; matrix products by rows: %s; attention: %s", args.model, device,
+             dtype, time.perf_counter() - t0, runner.kernels.describe(), runner.attention)
     return runner
 
 

@@ -17,12 +17,12 @@ torch.set_num_threads(1)  # the servers under test share this machine's cores
 
 
 @pytest.fixture(scope="session", autouse=True)
-def half_weight_kernel():
-    """The 16-bit weight kernel compiled (make setup does it) or loaded before any server
+def native_kernels():
+    """specdec's CPU kernels compiled (make setup does it) or loaded before any server
     starts, so that no replica's start waits for the compiler."""
-    from specdec import half_weights
+    from specdec import native
 
-    return half_weights.kernel()
+    return native.module()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "isa.h"
+
 namespace {
 
 constexpr int kRows = 6;
@@ -154,23 +156,13 @@ void panel(const float* x, int64_t rows, int64_t in, const uint16_t* w, float* y
 }  // namespace avx2
 #pragma GCC pop_options
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-Isa detect() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return Isa::kAvx2;
-  return Isa::kScalar;
-}
-
-const Isa kIsa = detect();
-
 }  // namespace
 
 // The panel width this CPU's kernel wants: the weight is packed for it.
-int64_t panel_width() { return kIsa == Isa::kAvx512 ? avx512::P : (kIsa == Isa::kAvx2 ? avx2::P : 16); }
-
-std::string isa() { return kIsa == Isa::kAvx512 ? "avx512" : (kIsa == Isa::kAvx2 ? "avx2" : "scalar"); }
+int64_t panel_width() {
+  const specdec::Isa isa = specdec::current_isa();
+  return isa == specdec::Isa::kAvx512 ? avx512::P : (isa == specdec::Isa::kAvx2 ? avx2::P : 16);
+}
 
 // x [N, in] float32; packed [panels, in, P] float16 or bfloat16; out = the true column count
 torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias) {
@@ -189,14 +181,15 @@ torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c1
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
+  const specdec::Isa isa = specdec::current_isa();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++) {
       const uint16_t* w = wp + p * in * P;
       float* yc = yp + p * P;
       const int64_t cols = std::min(P, out - p * P);
-      if (kIsa == Isa::kAvx512) {
+      if (isa == specdec::Isa::kAvx512) {
         bf16 ? avx512::panel<true>(xp, rows, in, w, yc, out, cols) : avx512::panel<false>(xp, rows, in, w, yc, out, cols);
-      } else if (kIsa == Isa::kAvx2) {
+      } else if (isa == specdec::Isa::kAvx2) {
         bf16 ? avx2::panel<true>(xp, rows, in, w, yc, out, cols) : avx2::panel<false>(xp, rows, in, w, yc, out, cols);
       } else {
         panel_scalar(xp, rows, in, w, P, bf16, yc, out, cols);
@@ -205,10 +198,4 @@ torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c1
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("half_linear", &half_linear, "x · Wᵀ (+ bias) over a 16-bit weight packed in panels");
-  m.def("panel_width", &panel_width, "the panel width this CPU's kernel wants");
-  m.def("isa", &isa, "which kernel this CPU runs: avx512, avx2 or scalar");
 }

@@ -10,7 +10,7 @@ from specdec.model_runner import ForwardItem, ModelRunner
 
 @pytest.mark.parametrize("n", [1, 5])
 def test_single_session_forward_is_the_runners_forward_bit_for_bit(target_model, n):
-    runner = ModelRunner(target_model, linear_kernels="aten")  # the probe writes the forward with F.linear
+    runner = ModelRunner(target_model, linear_kernels="aten", attention="sdpa")  # as the probe writes it
     forward = compile_probe.single_session_forward(runner)
     ours, theirs = runner.new_cache(), runner.new_cache()
     prompt = torch.arange(40) * 13 % runner.vocab_size

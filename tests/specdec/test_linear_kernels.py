@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec import half_weights
+from specdec import half_weights, native
 from specdec.linear_kernels import BOUNDS, KERNELS, PROBES, KernelTable, Product, calibrate, prepare
 from specdec.model_runner import ForwardItem, ModelRunner
 from tests.specdec.test_model_runner import reference_logits
@@ -36,7 +36,7 @@ def _products(dtype, out=300, inner=96, bias=True, seed=0):
 @pytest.mark.parametrize("kernel", ["onednn", "half"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("out,inner", [(300, 96), (64, 256), (4096, 256), (70, 33)])
-def test_each_kernel_is_f_linear_at_every_row_count(kernel, dtype, out, inner):
+def test_each_kernel_is_f_linear_at_every_row_count(isa, kernel, dtype, out, inner):
     weight, bias = _products(dtype, out, inner)
     for b in (None, bias):
         table = KernelTable([KERNELS.index(kernel)] * len(BOUNDS))
@@ -67,14 +67,16 @@ def test_sixteen_bits_only_where_they_lose_nothing():
         prepare([Product(weight + 1e-4, None, table)], table, "half", CPU, torch.float32)
 
 
-def test_the_kernel_builds_here_and_names_its_instruction_set():
-    module = half_weights.kernel()
-    assert module is not None, half_weights.unavailable_reason()
-    assert module.isa() in ("avx512", "avx2", "scalar")
-    assert module.panel_width() == {"avx512": 64, "avx2": 16, "scalar": 16}[module.isa()]
+def test_the_kernel_builds_here_and_names_its_instruction_set(isa):
+    module = native.module()
+    assert module is not None, native.unavailable_reason()
+    assert module.isa() == isa and module.best_isa() in ("avx512", "avx2", "scalar")
+    assert module.panel_width() == {"avx512": 64, "avx2": 16, "scalar": 16}[isa]
     weight, _ = _products(torch.float16, 64, 32)
     with pytest.raises(RuntimeError, match="packed for panels of"):
         module.half_linear(torch.randn(2, 32), half_weights.pack(weight, torch.float16, 8), 64, None)
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        module.set_isa("neon")
     with pytest.raises(RuntimeError, match="x has 31 columns"):
         module.half_linear(torch.randn(2, 31), half_weights.pack(weight, torch.float16, module.panel_width()), 64, None)
 

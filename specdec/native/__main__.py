@@ -1,0 +1,3 @@
+from specdec.native import main
+
+raise SystemExit(main())

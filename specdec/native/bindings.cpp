@@ -1,0 +1,58 @@
+// The Python module of specdec's CPU kernels (specdec/native/__init__.py builds and loads
+// it), and the instruction set they run.
+#include <torch/extension.h>
+
+#include "isa.h"
+
+torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
+int64_t panel_width();
+torch::Tensor packed_attention(torch::Tensor qkv, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> caches,
+                               std::vector<int64_t> starts, std::vector<int64_t> lengths, int64_t layer, double scale);
+
+namespace specdec {
+
+Isa detected_isa() {
+  static const Isa best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return Isa::kAvx2;
+    return Isa::kScalar;
+  }();
+  return best;
+}
+
+Isa& current_isa() {
+  static Isa isa = detected_isa();
+  return isa;
+}
+
+std::string isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : (isa == Isa::kAvx2 ? "avx2" : "scalar");
+}
+
+}  // namespace specdec
+
+namespace {
+
+// Run `name` (scalar, avx2 or avx512) from now on, if this CPU has it; → the one before.
+std::string set_isa(const std::string& name) {
+  using specdec::Isa;
+  const Isa wanted = name == "avx512" ? Isa::kAvx512 : (name == "avx2" ? Isa::kAvx2 : Isa::kScalar);
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "set_isa: unknown instruction set ", name);
+  TORCH_CHECK(static_cast<int>(wanted) <= static_cast<int>(specdec::detected_isa()), "set_isa: this CPU has no ", name);
+  const std::string before = specdec::isa_name(specdec::current_isa());
+  specdec::current_isa() = wanted;
+  return before;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("half_linear", &half_linear, "x · Wᵀ (+ bias) over a 16-bit weight packed in panels");
+  m.def("panel_width", &panel_width, "the panel width half_linear wants on the instruction set in use");
+  m.def("packed_attention", &packed_attention, "causal attention of many sessions' new rows against their caches");
+  m.def("isa", [] { return specdec::isa_name(specdec::current_isa()); }, "the instruction set in use");
+  m.def("best_isa", [] { return specdec::isa_name(specdec::detected_isa()); }, "the best instruction set of this CPU");
+  m.def("set_isa", &set_isa, "use another instruction set this CPU has (tests); returns the one before");
+}
