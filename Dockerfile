@@ -28,6 +28,15 @@ COPY requirements.txt /tmp/requirements.txt
 RUN sed -e '/^-r .*deploy\/requirements\.txt/d' /tmp/requirements.txt > /tmp/requirements.runtime.txt \
  && pip install -r /tmp/requirements.runtime.txt \
  && rm /tmp/requirements*.txt
+# specdec's CPU kernels (specdec/native: 16-bit weight products, packed attention), compiled
+# here with the build stage's g++ for any x86-64 CPU (each kernel picks AVX-512, AVX2 or
+# plain C++ when it loads), so that the slim runtime image needs no compiler.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+COPY specdec/__init__.py /build/specdec/__init__.py
+COPY specdec/native /build/specdec/native
+RUN cd /build && python -m specdec.native --cache /opt/specdec-kernels \
+ && rm -rf /opt/specdec-kernels/*/*.o /opt/specdec-kernels/*/.ninja* /build
 
 # ---- the bundled model pair, or nothing ----
 FROM ${PYTHON_IMAGE} AS models-yes
@@ -51,11 +60,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/tmp/huggingface \
     HF_HUB_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1 \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    SPECDEC_KERNEL_CACHE=/opt/specdec-kernels
 RUN groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
       --shell /usr/sbin/nologin specdec
 COPY --from=deps /opt/venv /opt/venv
+COPY --from=deps /opt/specdec-kernels /opt/specdec-kernels
 WORKDIR /app
 # Largest and least often changed first: models, then code.
 COPY --from=models /models /app/models

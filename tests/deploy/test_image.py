@@ -68,3 +68,15 @@ def test_build_context_holds_what_the_copies_need_and_little_else():
         assert dockerignore_allows(source), f".dockerignore hides {source}"
     for hidden in (".git", ".venv", "tests", "training", "deploy/base", "specdec/__pycache__"):
         assert not dockerignore_allows(hidden), f"{hidden} should stay out of the build context"
+
+
+def test_the_cpu_kernels_are_compiled_into_the_image_for_a_compilerless_runtime():
+    from specdec import native
+
+    runs = instructions("RUN")
+    assert any("g++" in run for run in runs)  # in the build stage only
+    assert any("python -m specdec.native --cache /opt/specdec-kernels" in run for run in runs)
+    assert "/opt/specdec-kernels /opt/specdec-kernels" in " ".join(instructions("COPY"))
+    assert "SPECDEC_KERNEL_CACHE=/opt/specdec-kernels" in " ".join(instructions("ENV"))
+    for source in native.SOURCES + native.HEADERS:  # every file the module's name hashes
+        assert dockerignore_allows(str(source.relative_to(REPO_ROOT))), source
