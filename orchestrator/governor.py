@@ -26,7 +26,12 @@ at 429 tokens/s where speculating made 481, 2026-12-03). A window lasts at least
 `WINDOW_S` and until it has counted `ROUNDS_PER_SESSION` rounds per generation of its load,
 so that slow rounds (long drafts of a large draft model: 48 counted in a 1 s window at 16 streams)
 are measured as well as fast ones. Each mode's rate is a decayed mean over its windows; the
-better one runs, and the other gets a window now and then so its figure stays current (what
+better one runs (speculation only where it beats target-only by more than `MARGIN`: its
+windows' rates leave out the rounds a switch costs, so two modes within the noise of each
+other would otherwise trade places window after window and pay those rounds every time;
+on the AVX-512 EPYC with the CPU kernels of 2026-12-03, t = 1 at 16 streams measured on 52.4
+against off 52.2 tokens/s per session and flipped every window), and the other gets a window
+now and then so its figure stays current (what
 speculation costs moves with the text, the load and the machine): every `EXPLORE_EVERY`th
 window where the two are close, less often the further apart they are, so that trying the
 loser costs about the same small share whatever the gap.
@@ -60,6 +65,7 @@ EXPLORE_EVERY = 8  # the losing mode runs one window in this many where the mode
 GAP_UNIT = 0.05  # and proportionally fewer per this much relative gap between their rates,
 MAX_EXPLORE_EVERY = 64  # but at least one in this many
 FIRST_WINDOWS = 2  # windows of each mode before the better one is preferred
+MARGIN = 0.05  # speculation runs only where its rate beats target-only's by more than this share
 WEIGHT = 0.3  # of the newest window in a mode's decayed rate
 LOAD_WEIGHT = 0.05  # of each round's count of generations in flight in the smoothed load
 
@@ -87,6 +93,7 @@ class _Key:
     """One sampling kind at one load: its two modes' rates and this window's tally."""
     bucket: int
     start: float  # when the current window began
+    margin: float = MARGIN
     on: ModeRate = field(default_factory=ModeRate)
     off: ModeRate = field(default_factory=ModeRate)
     speculating: bool = True  # the mode of the current window
@@ -120,7 +127,7 @@ class _Key:
             return True
         if self.off.windows < FIRST_WINDOWS:
             return False
-        better = self.on.rate >= self.off.rate
+        better = self.on.rate > (1 + self.margin) * self.off.rate
         self.since_explore += 1
         if self.since_explore >= self.explore_every():
             self.since_explore = 0
@@ -138,8 +145,12 @@ class LoadGovernor:
     """Per orchestrator process; the generation loop asks `speculating` before each round's
     choice and reports every governed round to `observe`."""
 
-    def __init__(self, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, enabled: bool = True, clock: Callable[[], float] = time.monotonic,
+                 margin: float = MARGIN) -> None:
+        if not 0 <= margin < 1:
+            raise ValueError(f"the governor's margin must be in [0, 1), not {margin}")
         self.enabled = enabled
+        self.margin = margin
         self.clock = clock
         self.keys: dict[tuple[bool, int], _Key] = {}
         self.load = 1.0  # generations in flight, smoothed over rounds
@@ -155,7 +166,7 @@ class LoadGovernor:
             return None
         key = self.keys.get((greedy, self.bucket))
         if key is None:
-            key = self.keys[(greedy, self.bucket)] = _Key(self.bucket, now)
+            key = self.keys[(greedy, self.bucket)] = _Key(self.bucket, now, self.margin)
         elif key.due(now):
             self._close(greedy, key, now)
         return key

@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import OVERLAP_FORKS, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
-from orchestrator.governor import LoadGovernor
+from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
@@ -268,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="while several generations run: turn adaptive speculation off for a sampling kind "
                          "and load where, measured window by window against target-only decoding, it is "
                          "slower (orchestrator/governor.py); off = the γ policy alone [SPECDEC_LOAD_GOVERNOR]")
+    ap.add_argument("--load-governor-margin", type=float, default=float(env("LOAD_GOVERNOR_MARGIN", GOVERNOR_MARGIN)),
+                    help=f"the governor speculates only where that beats target-only decoding by more than this "
+                         f"share (default {GOVERNOR_MARGIN}): within it the two trade places on noise and each switch "
+                         f"costs the draft a catch-up [SPECDEC_LOAD_GOVERNOR_MARGIN]")
     ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "mux"),
                     help="how generations call the pools: mux (one stream per replica shared by every "
                          "generation, the calls of one moment in one message), stream (one stream per replica "
@@ -295,7 +299,7 @@ async def serve(args: argparse.Namespace) -> None:
                         args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
     costs = CostModel()
     metrics.export_target_forward_ms(costs.forward.table)
-    governor = LoadGovernor(enabled=args.load_governor == "on")
+    governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)
     metrics.export_governor(governor.table)
     generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,

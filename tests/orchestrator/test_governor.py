@@ -58,10 +58,23 @@ def test_where_target_only_is_faster_it_runs_with_speculation_tried_now_and_then
 
 def test_where_speculation_is_faster_it_stays_on():
     gov, clock = loaded(16)
-    modes = run_windows(gov, clock, 4 + 6 * g.EXPLORE_EVERY, {True: 25.5, False: 25.0}, greedy=True)
-    assert gov.keys[(True, 4)].explore_every() == g.EXPLORE_EVERY, "close rates: the loser runs most often"
+    modes = run_windows(gov, clock, 4 + 6 * 9, {True: 26.5, False: 25.0}, greedy=True)
+    assert gov.keys[(True, 4)].explore_every() == 9, "a gap of 6 %, just past the margin: the loser runs often"
     assert modes[4:].count(False) == 6
     assert gov.table()["greedy,16,on_tokens_per_s"] > gov.table()["greedy,16,off_tokens_per_s"]
+
+
+def test_within_the_margin_target_only_runs_and_the_modes_do_not_trade_places():
+    gov, clock = loaded(16)
+    modes = run_windows(gov, clock, 4 + 4 * g.EXPLORE_EVERY, {True: 25.0 * (1 + g.MARGIN * 0.8), False: 25.0})
+    settled = modes[4:]
+    assert settled.count(True) == 4, "speculation only in its exploring windows, one in EXPLORE_EVERY"
+    switches = sum(a != b for a, b in zip(settled, settled[1:]))
+    assert switches == 2 * 4 - (settled[-1] is True)  # into each exploring window and out of it
+    with_no_margin, clock = loaded(16)
+    with_no_margin.margin = 0.0
+    with_no_margin.keys.clear()
+    assert run_windows(with_no_margin, clock, 4 + 8, {True: 26.0, False: 25.0})[4:].count(True) >= 7
 
 
 def test_the_choice_follows_a_change_in_which_mode_is_faster():
