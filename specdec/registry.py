@@ -33,6 +33,7 @@ class ReplicaInfo:
     model: str = ""
     vocab_size: int = 0
     dtype: str = ""  # the weights' dtype as served (float32, bfloat16, ...)
+    kernels: str = ""  # the forward's kernels: products by rows and attention (specdec.linear_kernels)
     updated: float = 0.0
 
     @classmethod

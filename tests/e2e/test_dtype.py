@@ -45,6 +45,13 @@ def test_each_replica_reports_the_dtype_it_serves(bf16_stack):
     served = {rep.kind: json.loads(r.get(f"specdec:replica:{rep.kind}:{rep.address}"))["dtype"]
               for rep in bf16_stack.replicas}
     assert served == {"target": "bfloat16", "draft": "float32"}
+    kernels = {rep.kind: json.loads(r.get(f"specdec:replica:{rep.kind}:{rep.address}"))["kernels"]
+               for rep in bf16_stack.replicas}
+    # the float16 checkpoint served in float32: 16-bit products (fastest at every row count
+    # here) and the native attention; in bfloat16 neither applies, so MKL/oneDNN and SDPA
+    assert kernels["draft"].startswith("products ") and "half" in kernels["draft"]
+    assert kernels["draft"].endswith("; attention native")
+    assert "half" not in kernels["target"] and kernels["target"].endswith("; attention sdpa")
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (1.0, 41)])
