@@ -64,7 +64,9 @@ def _load():
     name = f"specdec_native_{digest.hexdigest()[:12]}"
     build = cache_dir() / name
     built = build / f"{name}.so"
-    if built.exists():  # built before, or into the image: no compiler needed to load it
+    # built before, or into the image: no compiler needed to load it (unless another process
+    # holds torch's build lock there and may be writing the library right now)
+    if built.exists() and not (build / "lock").exists():
         spec = importlib.util.spec_from_file_location(name, built)
         loaded = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loaded)
