@@ -12,7 +12,7 @@ help:  ## list the targets
 setup: venv redis kernels  ## virtualenv with pinned packages, redis-server and the CPU kernels
 
 kernels: $(VENV)/.kernels  ## compile the CPU kernels (specdec/native) once; the servers run without them where they cannot build
-$(VENV)/.kernels: $(VENV)/.installed $(wildcard specdec/native/*.cpp specdec/native/*.h) specdec/native/__init__.py
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard specdec/native/*.cpp specdec/native/*.h specdec/native/*.inc) specdec/native/__init__.py
 	$(PY) -m specdec.native || echo "the servers will use torch's operators"
 	touch $@
 

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the runners' linear kernels to compare, of auto, aten, onednn (default auto)")
     ap.add_argument("--attention", default="auto",
                     help="the runners' attention to compare, of auto, native, sdpa (default auto)")
+    ap.add_argument("--fuse", default="on", help="fused native layers: on, off, or on,off to compare (default on)")
     ap.add_argument("--shapes", default="1x1,1x5,6x5,16x5",
                     help="SESSIONSxTOKENS forwards to time (default 1x1,1x5,6x5,16x5)")
     ap.add_argument("--context", type=int, default=150, help="cached positions per session (default 150)")
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     attention = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not attention or set(attention) - {"auto", "native", "sdpa"}:
         raise SystemExit(f"--attention takes names of auto, native, sdpa, got {args.attention!r}")
+    fuse = [f.strip() for f in args.fuse.split(",") if f.strip()]
+    if not fuse or set(fuse) - {"on", "off"}:
+        raise SystemExit(f"--fuse takes on, off or both, got {args.fuse!r}")
     shapes = parse_shapes(args.shapes)
     if args.reps < 1 or args.context < 1:
         raise SystemExit("--reps and --context must be at least 1")
@@ -109,13 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     for d in names:
         for k in kernels:
             for a in attention:
-                name = " ".join([d] + ([k] if len(kernels) > 1 else []) + ([a] if len(attention) > 1 else []))
-                variants[name] = (d, k, a)
+                for f in fuse:
+                    name = " ".join([d] + ([k] if len(kernels) > 1 else []) + ([a] if len(attention) > 1 else [])
+                                    + ([f"fused-{f}"] if len(fuse) > 1 else []))
+                    variants[name] = (d, k, a, f)
     names = list(variants)
     runners = {}
-    for name, (dtype, kernel, att) in variants.items():
-        runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel, attention=att)
-        print(f"{name}: products {runners[name].kernels.describe()}; attention {runners[name].attention}")
+    for name, (dtype, kernel, att, f) in variants.items():
+        runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel, attention=att,
+                                    fuse_layers=f == "on")
+        r = runners[name]
+        print(f"{name}: products {r.kernels.describe()}; attention {r.attention}; fused layers {'on' if r.fused else 'off'}")
     cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}
     times: dict[tuple, list[float]] = {k: [] for k in cases}
     for case in cases.values():  # one untimed forward each: first-call allocations

@@ -13,7 +13,9 @@ a table lookup and a roll, the causal mask a slice of a precomputed table. The n
 are the ones Hugging Face's own modules compute (same operations in the same order;
 tests/specdec/test_model_runner.py checks the logits), only with fewer dispatches.
 
-On a CPU in float32, attention is one call per layer for all sessions
+On a CPU in float32, the products take the fastest kernel for their row count
+(specdec.linear_kernels: MKL, oneDNN, or 16-bit weights where that loses nothing), and
+attention is one call per layer for all sessions
 (specdec/native/packed_attention.cpp): it writes each session's new keys and values into
 that session's cache and attends from its rows to its own cache, with no padding or
 gathering, where torch's SDPA takes a cache write, two views and a call per session and
@@ -21,6 +23,8 @@ layer. Elsewhere (a GPU, other dtypes, no compiler) it is SDPA per session: one 
 a batch would need the caches in one tensor, padded to the longest and gathered first,
 which costs about what the saved calls do (`python -m benchmarks.attention_probe`,
 benchmarks/HISTORY.md, "One attention call per batch").
+Where products and attention are both native and the layer is plain Llama, each layer is
+one call of specdec/native/decoder_layer.cpp.
 """
 from __future__ import annotations
 
@@ -32,7 +36,10 @@ import torch.nn.functional as F
 
 from specdec import native
 from specdec.kv_cache import KVCache
-from specdec.linear_kernels import KernelTable, Product, prepare
+from specdec.linear_kernels import KERNELS, KernelTable, Product, prepare
+
+
+HALF = KERNELS.index("half")
 
 
 @dataclass
@@ -103,14 +110,17 @@ class ModelRunner:
 
     BAND = 64  # chunks up to this many tokens take their causal mask from a table
 
-    def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto", attention: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto", attention: str = "auto",
+                 fuse_layers: bool = True) -> None:
         """`linear_kernels`: "auto" (on a CPU, time the product kernels this machine has at
         start-up and keep the fastest per row count; specdec.linear_kernels), or one kernel
         everywhere: "aten" (F.linear: MKL on a CPU, cuBLAS on a GPU), "onednn" (a CPU's
         packed products) or "half" (16-bit weights, where that loses nothing).
         `attention`: "native" (every session's attention of a layer in one call of
         specdec.native's packed_attention: float32 on a CPU), "sdpa" (torch's
-        scaled_dot_product_attention per session) or "auto" (native where it can run)."""
+        scaled_dot_product_attention per session) or "auto" (native where it can run).
+        `fuse_layers`: where both are native (16-bit products, native attention, a plain
+        Llama layer), run each layer as one call of specdec.native's decoder_layer."""
         self.model = model.eval()
         cfg = model.config
         self.config = cfg
@@ -151,6 +161,7 @@ class ModelRunner:
         L = self.max_length
         offsets = torch.arange(L + self.BAND, device=self.device) - L
         self._band = self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
+        self._decoder_layer = self._choose_fused(fuse_layers)
 
     def _layer(self, layer, column_major: bool) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp
@@ -182,6 +193,22 @@ class ModelRunner:
         if module is None and mode == "native":
             raise ValueError(f"native attention did not build: {native.unavailable_reason()}")
         return None if module is None else module.packed_attention
+
+    def _choose_fused(self, wanted: bool):
+        """specdec.native's decoder_layer where every part of a layer has its native kernel
+        and the layer is plain Llama (no biases, no per-head norms, SiLU, a static rotary
+        table); None otherwise."""
+        products = [p for layer in self.layers for p in layer.products()]
+        plain = all(p.bias is None and p.half is not None for p in products) and \
+            all(layer.q_norm is None for layer in self.layers) and self.act is F.silu and self.cos_table is not None
+        if not wanted or self._packed_attention is None or not plain:
+            return None
+        return native.module().decoder_layer
+
+    @property
+    def fused(self) -> bool:
+        """Whether forwards whose rows take the 16-bit products run fused layers."""
+        return self._decoder_layer is not None
 
     @property
     def attention(self) -> str:
@@ -236,12 +263,20 @@ class ModelRunner:
         else:  # the caches' buffers, which the reservations above have settled for this forward
             masks, kvs = None, [it.cache.kv for it in items]
         x = F.embedding(ids, self.embed)  # [N, hidden]
-        for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, x.shape[-1:], layer.norm1, self.eps)
-            x = x + self._attention(layer, index, h, cos, sin, items, starts, lengths, masks, kvs)
-            h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, -1)
-            x = x + layer.down(self.act(gate) * up)
+        if self._decoder_layer is not None and self.kernels.kernel(x.shape[0]) == HALF:
+            cos, sin = cos[:, 0], sin[:, 0]  # [N, head_dim]
+            for index, layer in enumerate(self.layers):  # each layer one native call
+                x = self._decoder_layer(x, layer.norm1, layer.qkv.half, layer.qkv.weight.shape[0], layer.o.half,
+                                        layer.norm2, layer.gate_up.half, layer.gate_up.weight.shape[0],
+                                        layer.down.half, cos, sin, self.num_heads, self.kv_heads, kvs, starts,
+                                        lengths, index, self.scaling, self.eps)
+        else:
+            for index, layer in enumerate(self.layers):
+                h = F.rms_norm(x, x.shape[-1:], layer.norm1, self.eps)
+                x = x + self._attention(layer, index, h, cos, sin, items, starts, lengths, masks, kvs)
+                h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
+                gate, up = layer.gate_up(h).chunk(2, -1)
+                x = x + layer.down(self.act(gate) * up)
         rows = [slice(e - it.logits_rows, e) for e, it in zip(accumulate(lengths), items)]
         last = x[rows[0]] if len(items) == 1 else torch.cat([x[r] for r in rows])
         last = F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps)

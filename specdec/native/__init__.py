@@ -3,7 +3,8 @@ compiler through torch's cpp_extension (about 40 s, then cached) or loaded prebu
 
 - `half_linear`: matrix products over weights held in 16 bits (specdec.half_weights);
 - `packed_attention`: one call per layer for every session's causal attention
-  (specdec.model_runner).
+  (specdec.model_runner);
+- `decoder_layer`: a whole Llama layer over those two, in one call.
 
 Each kernel picks AVX-512, AVX2 or plain C++ when it loads, so one build serves any
 x86-64 CPU. Where the build fails (no compiler, another architecture) `module()` is None,
@@ -23,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h")) + sorted(Path(__file__).parent.glob("*.inc"))
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None

@@ -9,6 +9,12 @@ int64_t panel_width();
 torch::Tensor packed_attention(torch::Tensor qkv, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> caches,
                                std::vector<int64_t> starts, std::vector<int64_t> lengths, int64_t layer, double scale);
 
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor qkv_w, int64_t qkv_out,
+                            torch::Tensor o_w, torch::Tensor norm2, torch::Tensor gate_up_w, int64_t gate_up_out,
+                            torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
+                            std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
+                            int64_t layer, double scale, double eps);
+
 namespace specdec {
 
 Isa detected_isa() {
@@ -52,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_linear", &half_linear, "x · Wᵀ (+ bias) over a 16-bit weight packed in panels");
   m.def("panel_width", &panel_width, "the panel width half_linear wants on the instruction set in use");
   m.def("packed_attention", &packed_attention, "causal attention of many sessions' new rows against their caches");
+  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer over 16-bit weights and the packed attention");
   m.def("isa", [] { return specdec::isa_name(specdec::current_isa()); }, "the instruction set in use");
   m.def("best_isa", [] { return specdec::isa_name(specdec::detected_isa()); }, "the best instruction set of this CPU");
   m.def("set_isa", &set_isa, "use another instruction set this CPU has (tests); returns the one before");
