@@ -13,7 +13,9 @@ So, while several sessions run at once, time is cut into windows, and in each wi
 sessions of one sampling kind (greedy or sampled) at one load either speculate as the policy
 says (ON) or decode target-only (OFF). The load is the number of generations in flight,
 smoothed over rounds and taken by powers of two (`load_bucket`) once a second, so that a
-steady 16 streams, which read 15 and 16 by turns as requests end and start, is one load. The
+steady 16 streams, which read 15 and 16 by turns as requests end and start, is one load; a
+rising load is taken at once (at the start of a burst, a load still smoothed from the quiet
+before it would run the burst's first second under a smaller load's choice). The
 measure is each mode's per-session token rate: tokens committed ÷ the wall time of the
 rounds that committed them, which in a closed loop is throughput per session and in an
 open one the inverse of time per output token, at the same load either way. A session's
@@ -34,7 +36,10 @@ against off 52.2 tokens/s per session and flipped every window), and the other g
 now and then so its figure stays current (what
 speculation costs moves with the text, the load and the machine): every `EXPLORE_EVERY`th
 window where the two are close, less often the further apart they are, so that trying the
-loser costs about the same small share whatever the gap.
+loser costs about the same small share whatever the gap, and half as often again after
+each such window that left the choice as it was (each costs every session of its kind a
+draft catch-up: at t = 1 and 16 streams, (e) at γ 0.26 made 786 against 855 tokens/s for
+target-only by turns, 2026-12-03 22:35 UTC).
 
 Where it matters most is a draft too slow for its pool: with the target's own 12 layers in
 bf16 as the draft (no bf16 kernels on this AVX2 CPU), the policy alone kept γ near 0 yet made
@@ -67,7 +72,8 @@ MAX_EXPLORE_EVERY = 64  # but at least one in this many
 FIRST_WINDOWS = 2  # windows of each mode before the better one is preferred
 MARGIN = 0.05  # speculation runs only where its rate beats target-only's by more than this share
 WEIGHT = 0.3  # of the newest window in a mode's decayed rate
-LOAD_WEIGHT = 0.05  # of each round's count of generations in flight in the smoothed load
+LOAD_WEIGHT = 0.05  # of each round's count of generations in flight in the smoothed load (a
+# count above it is taken whole: a load arrives at once and leaves gradually)
 
 
 def load_bucket(load: float) -> int:
@@ -98,6 +104,9 @@ class _Key:
     off: ModeRate = field(default_factory=ModeRate)
     speculating: bool = True  # the mode of the current window
     since_explore: int = 0  # windows since the losing mode last ran
+    preferred: bool | None = None  # the better mode at the last choice
+    confirmed: int = 0  # runs of the losing mode in a row after which the better one stayed so
+    exploring: bool = False  # the current window runs the losing mode
     closed: int = 0  # windows closed, with a rate or without
     tokens: float = 0.0  # counted in the current window
     seconds: float = 0.0
@@ -128,17 +137,25 @@ class _Key:
         if self.off.windows < FIRST_WINDOWS:
             return False
         better = self.on.rate > (1 + self.margin) * self.off.rate
+        if better != self.preferred:
+            self.confirmed = 0
+        elif self.exploring:
+            self.confirmed += 1
+        self.preferred, self.exploring = better, False
         self.since_explore += 1
         if self.since_explore >= self.explore_every():
             self.since_explore = 0
+            self.exploring = True
             return not better
         return better
 
     def explore_every(self) -> int:
         """Windows between two of the losing mode's: `EXPLORE_EVERY` where the rates are
-        close, more as their relative gap grows, at most `MAX_EXPLORE_EVERY`."""
+        close, more as their relative gap grows, and twice as many after each run of the
+        loser that left it the loser, at most `MAX_EXPLORE_EVERY`."""
         gap = abs(self.on.rate - self.off.rate) / max(self.on.rate, self.off.rate, 1e-9)
-        return min(MAX_EXPLORE_EVERY, max(EXPLORE_EVERY, round(EXPLORE_EVERY * gap / GAP_UNIT)))
+        base = max(EXPLORE_EVERY, round(EXPLORE_EVERY * gap / GAP_UNIT))
+        return min(MAX_EXPLORE_EVERY, base * 2 ** min(self.confirmed, 6))
 
 
 class LoadGovernor:
@@ -154,14 +171,15 @@ class LoadGovernor:
         self.clock = clock
         self.keys: dict[tuple[bool, int], _Key] = {}
         self.load = 1.0  # generations in flight, smoothed over rounds
-        self.bucket = 0  # load_bucket(load), refreshed once every WINDOW_S
+        self.bucket = 0  # load_bucket(load), refreshed once every WINDOW_S, or at once when it rises
         self.bucket_at = clock()
 
     def _key(self, greedy: bool) -> _Key | None:
         """The current load's key for this kind, its window closed if it is due."""
         now = self.clock()
-        if now - self.bucket_at >= WINDOW_S:
-            self.bucket, self.bucket_at = load_bucket(self.load), now
+        bucket = load_bucket(self.load)
+        if bucket > self.bucket or now - self.bucket_at >= WINDOW_S:
+            self.bucket, self.bucket_at = bucket, now
         if self.bucket == 0:
             return None
         key = self.keys.get((greedy, self.bucket))
@@ -196,7 +214,7 @@ class LoadGovernor:
         `SETTLE_ROUNDS`)."""
         if not self.enabled:
             return
-        self.load += LOAD_WEIGHT * (active - self.load)
+        self.load = float(active) if active > self.load else self.load + LOAD_WEIGHT * (active - self.load)
         if active < 2:
             return
         key = self._key(greedy)
