@@ -20,6 +20,12 @@ pytestmark = pytest.mark.e2e
 PROMPTS = ["def parse(line):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef walk(root):\n",
            "for i in range(10):\n"]
 NEW_TOKENS = 96
+# the streams that a replica leaves mid-way draft a fixed γ: every round then calls both pools,
+# where an adaptive one under load may be decoding target-only (the load governor) when the
+# draft replica goes, and never call it again
+GAMMA = 4
+# long enough that no stream can finish before the signalled replica has gone
+LONG = 192
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +41,9 @@ def ensure(stack, kind: str, count: int) -> None:
     stack.wait_registered(*((count, 0) if kind == "draft" else (0, count)))
 
 
-def references(stub, prompts=PROMPTS) -> list[list[int]]:
+def references(stub, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Greedy outputs of an undisturbed run, through the API."""
-    return [list(stub.Generate(request(p, NEW_TOKENS, 0.0), timeout=120).token_ids) for p in prompts]
+    return [list(stub.Generate(request(p, new_tokens, 0.0), timeout=120).token_ids) for p in prompts]
 
 
 def kill_busiest(stack, streams: Streams, kind: str, sig: int = signal.SIGKILL) -> tuple[str, set[str]]:
@@ -65,8 +71,8 @@ def assert_failover_is_invisible(results, expected, killed: str, affected: set[s
 def test_replica_killed_mid_stream_is_invisible_to_clients(stack, kind):
     ensure(stack, kind, 2)
     stub = api(stack.orchestrator_address)
-    expected = references(stub)
-    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
+    expected = references(stub, new_tokens=LONG)
+    streams = Streams(stub, [request(p, LONG, 0.0, gamma=GAMMA) for p in PROMPTS])
     killed, affected = kill_busiest(stack, streams, kind)
     assert_failover_is_invisible(streams.join(), expected, killed, affected, kind)
 
@@ -78,8 +84,8 @@ def test_replica_stopped_mid_stream_hands_its_sessions_over(stack, kind):
     instead of running on until the drain's grace cuts them off."""
     ensure(stack, kind, 2)
     stub = api(stack.orchestrator_address)
-    expected = references(stub)
-    streams = Streams(stub, [request(p, NEW_TOKENS, 0.0) for p in PROMPTS])
+    expected = references(stub, new_tokens=LONG)
+    streams = Streams(stub, [request(p, LONG, 0.0, gamma=GAMMA) for p in PROMPTS])
     stopped, affected = kill_busiest(stack, streams, kind, signal.SIGTERM)
     assert [r.proc.returncode for r in stack.replicas if r.address == stopped] == [0]
     assert_failover_is_invisible(streams.join(), expected, stopped, affected, kind)
