@@ -41,6 +41,20 @@ each such window that left the choice as it was (each costs every session of its
 draft catch-up: at t = 1 and 16 streams, (e) at γ 0.26 made 786 against 855 tokens/s for
 target-only by turns, 2026-12-03 22:35 UTC).
 
+A window counts only what measures its load. A round whose own count of generations in
+flight is of a smaller load is left out: as a burst's last generations finish, the load
+falls over a second, and the few sessions left run far faster than the burst's. A window
+left open while the load went elsewhere for over `IDLE_S` starts afresh when it returns,
+rather than closing on the tail of one burst and the first rounds of the next. The first
+windows of a mode weigh alike. A load measures first the mode chosen at the nearest load of
+its kind that has chosen (speculation where none has): a load only passed through, as a
+burst ramps up or winds down, may never get past its first windows. Before these, at t = 1
+and 16 streams, a bench-like sequence (`make bench`'s 6 s of loaded warm-up, then (f), (d)
+and (e) by turns, 2026-12-04) decided for speculation on two windows of 70.7 and 55.8
+against 56.0 and 62.1 tokens/s per session, the first of them lifted by the burst's start,
+and ran (e) at γ 0.67 and 0.25 (777.8 and 816.4 tokens/s against 865.1 and 905.5
+target-only); after, at γ 0.04 (833.0 and 996.3 against 864.1 and 975.6).
+
 Where it matters most is a draft too slow for its pool: with the target's own 12 layers in
 bf16 as the draft (no bf16 kernels on this AVX2 CPU), the policy alone kept γ near 0 yet made
 42 tokens/s at 16 streams against 310-431 target-only, its γ = 0 probes each catching the
@@ -64,6 +78,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 1.0  # seconds a mode holds at least before the next choice
 MAX_WINDOW_S = 8.0  # a window still short of its rounds then closes without a rate
+IDLE_S = 1.0  # a load without governed rounds this long starts its window afresh
 SETTLE_ROUNDS = 2  # a session's rounds after its mode changed that are not counted
 ROUNDS_PER_SESSION = 4  # counted rounds a window needs, per generation of its load
 EXPLORE_EVERY = 8  # the losing mode runs one window in this many where the modes are close,
@@ -90,8 +105,12 @@ class ModeRate:
     windows: int = 0
 
     def update(self, rate: float) -> None:
-        self.rate = rate if self.rate is None else (1 - WEIGHT) * self.rate + WEIGHT * rate
+        """The first windows weigh alike (a plain mean), later ones decay by `WEIGHT`: a
+        decayed mean from the first window on would let that one window, which a single
+        slow or fast spell can skew, make 70 % of the figure after two."""
         self.windows += 1
+        weight = max(WEIGHT, 1.0 / self.windows)
+        self.rate = rate if self.rate is None else (1 - weight) * self.rate + weight * rate
 
 
 @dataclass
@@ -103,6 +122,8 @@ class _Key:
     on: ModeRate = field(default_factory=ModeRate)
     off: ModeRate = field(default_factory=ModeRate)
     speculating: bool = True  # the mode of the current window
+    first: bool = True  # the mode measured first (LoadGovernor._prior)
+    seen: float = 0.0  # when a governed round last ran at this load
     since_explore: int = 0  # windows since the losing mode last ran
     preferred: bool | None = None  # the better mode at the last choice
     confirmed: int = 0  # runs of the losing mode in a row after which the better one stayed so
@@ -120,22 +141,27 @@ class _Key:
         elapsed = now - self.start
         return elapsed >= WINDOW_S and (self.rounds >= self.needs() or elapsed >= MAX_WINDOW_S)
 
+    def restart(self, now: float) -> None:
+        """A new window in the same mode, what the open one counted dropped."""
+        self.tokens = self.seconds = 0.0
+        self.rounds = 0
+        self.start = now
+
     def close_window(self, now: float) -> None:
         """The window's rate joins its mode's (if it counted its rounds); the next window's
         mode is chosen."""
         if self.rounds >= self.needs() and self.seconds > 0:
             (self.on if self.speculating else self.off).update(self.tokens / self.seconds)
-        self.tokens = self.seconds = 0.0
-        self.rounds = 0
+        self.restart(now)
         self.closed += 1
-        self.start = now
         self.speculating = self._next_mode()
 
     def _next_mode(self) -> bool:
-        if self.on.windows < FIRST_WINDOWS:
-            return True
-        if self.off.windows < FIRST_WINDOWS:
-            return False
+        first, then = (self.on, self.off) if self.first else (self.off, self.on)
+        if first.windows < FIRST_WINDOWS:
+            return self.first
+        if then.windows < FIRST_WINDOWS:
+            return not self.first
         better = self.on.rate > (1 + self.margin) * self.off.rate
         if better != self.preferred:
             self.confirmed = 0
@@ -184,10 +210,26 @@ class LoadGovernor:
             return None
         key = self.keys.get((greedy, self.bucket))
         if key is None:
-            key = self.keys[(greedy, self.bucket)] = _Key(self.bucket, now, self.margin)
+            prior = self._prior(greedy, self.bucket)
+            key = self.keys[(greedy, self.bucket)] = _Key(self.bucket, now, self.margin, speculating=prior,
+                                                          first=prior)
+        elif now - key.seen > IDLE_S:
+            key.restart(now)
         elif key.due(now):
             self._close(greedy, key, now)
+        key.seen = now
         return key
+
+    def _prior(self, greedy: bool, bucket: int) -> bool:
+        """The mode a load measures first: the choice made at the nearest load of the same
+        kind that has made one (the higher of two as near), else speculation. Speculation
+        pays less as the load grows, so where it lost at 16 streams it likely loses at 8
+        too; a load that is only passed through (the tail of a burst, as its last
+        generations finish) may never get past its first windows, which should not be
+        the loser's."""
+        known = [(abs(b - bucket), -b, key.preferred) for (kind, b), key in self.keys.items()
+                 if kind == greedy and key.preferred is not None]
+        return min(known)[2] if known else True
 
     @staticmethod
     def _close(greedy: bool, key: _Key, now: float) -> None:
@@ -218,7 +260,8 @@ class LoadGovernor:
         if active < 2:
             return
         key = self._key(greedy)
-        if key is not None and key.speculating == speculating and rounds_in_mode > SETTLE_ROUNDS:
+        if (key is not None and key.speculating == speculating and rounds_in_mode > SETTLE_ROUNDS
+                and load_bucket(active) == key.bucket):
             key.tokens += tokens
             key.seconds += seconds
             key.rounds += 1

@@ -105,8 +105,9 @@ def test_kinds_and_loads_are_governed_apart():
     assert not gov.speculating(False, 16)
     assert gov.speculating(True, 16), "greedy has measured nothing yet: it speculates"
     gov.load, clock.now = 4.0, clock.now + g.WINDOW_S  # the load is read anew once a second
-    assert gov.speculating(False, 4), "another load has measured nothing yet"
+    assert not gov.speculating(False, 4), "another load starts from the choice made at the nearest"
     assert (False, 2) in gov.keys
+    assert gov.keys[(False, 2)].on.windows == gov.keys[(False, 2)].off.windows == 0
     assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 6, 11, 12, 16, 22)] == [0, 1, 2, 2, 2, 3, 3, 4, 4, 4]
 
 
@@ -150,10 +151,9 @@ def test_a_window_that_never_gathers_its_rounds_closes_and_teaches_nothing():
     gov, clock = loaded(8)
     gov.speculating(False, 8)
     key = gov.keys[(False, 3)]
-    for _ in range(5):
-        clock.now += 0.1
+    while clock.now < g.MAX_WINDOW_S:  # a round every half second: 16, not the 32 it needs
+        clock.now += 0.5
         gov.observe(False, 8, True, 3, 0.05)
-    clock.now = g.MAX_WINDOW_S + 0.01
     gov.speculating(False, 8)
     assert key.closed == 1 and key.on.windows == 0
 
@@ -178,3 +178,57 @@ def test_a_burst_is_governed_as_its_load_from_its_first_round():
         clock.now += 0.01
         gov.observe(False, 1, gov.speculating(False, 1), 1, 0.05)
     assert gov.bucket == 4
+
+
+def test_the_first_windows_weigh_alike():
+    rate = g.ModeRate()
+    for r in (70.0, 50.0):
+        rate.update(r)
+    assert rate.rate == 60.0, "a decayed mean would make it 64: the first window 70 % of it"
+    for r in (50.0, 50.0, 50.0, 50.0, 50.0, 50.0):
+        rate.update(r)
+    assert 50.0 < rate.rate < 51.5, "then the newest weigh most"
+
+
+def test_rounds_of_a_load_falling_away_are_not_counted():
+    """As a burst's last generations finish, the load still reads the burst's for up to a
+    second, but the few sessions left run far faster than that load's: their rounds would
+    lift the mode they ran in."""
+    gov, clock = loaded(16)
+    gov.speculating(False, 16)
+    key = gov.keys[(False, 4)]
+    gov.observe(False, 16, True, 3, 0.05)
+    assert key.rounds == 1
+    for active in (10, 6, 3):
+        clock.now += 0.01
+        gov.observe(False, active, True, 3, 0.01)
+    assert gov.bucket == 4 and key.rounds == 1 and key.tokens == 3
+
+
+def test_a_window_left_open_while_the_load_went_away_starts_afresh():
+    """Rounds counted just before an idle spell (the tail of a burst) and just after it (the
+    next burst's first rounds) are no measure of a steady load: they are dropped."""
+    gov, clock = loaded(16)
+    gov.speculating(False, 16)
+    key = gov.keys[(False, 4)]
+    for _ in range(20):
+        clock.now += 0.01
+        gov.observe(False, 16, True, 5, 0.02)
+    assert key.rounds == 20
+    clock.now += 5.0  # the orchestrator serves other loads, or none
+    gov.load = 16.0
+    assert gov.speculating(False, 16)
+    assert key.rounds == 0 and key.closed == 0 and key.start == clock.now
+
+
+def test_a_new_load_is_measured_first_in_the_mode_chosen_at_the_nearest_load():
+    gov, clock = loaded(16)
+    modes = run_windows(gov, clock, 6, {True: 20.0, False: 25.0}, greedy=False)
+    assert modes[:4] == [True, True, False, False] and not gov.keys[(False, 4)].preferred
+    clock.now += g.WINDOW_S
+    gov.load = 8.0
+    modes = run_windows(gov, clock, 6, {True: 40.0, False: 45.0}, greedy=False, active=8)
+    assert modes[:4] == [False, False, True, True], "target-only first, as at 16"
+    assert not gov.keys[(False, 3)].preferred
+    assert run_windows(gov, clock, 2, {True: 50.0, False: 45.0}, greedy=True, active=8) == [True, True], \
+        "greedy, with no choice of its own yet, speculates first"
