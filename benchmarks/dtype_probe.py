@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel, attention=att,
                                     fuse_layers=f == "on")
         r = runners[name]
-        print(f"{name}: products {r.kernels.describe()}; attention {r.attention}; fused layers {'on' if r.fused else 'off'}")
+        print(f"{name}: {r.kernels_summary}; fused layers {'on' if r.fused else 'off'}")
     cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}
     times: dict[tuple, list[float]] = {k: [] for k in cases}
     for case in cases.values():  # one untimed forward each: first-call allocations

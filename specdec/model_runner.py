@@ -162,6 +162,8 @@ class ModelRunner:
         offsets = torch.arange(L + self.BAND, device=self.device) - L
         self._band = self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
         self._decoder_layer = self._choose_fused(fuse_layers)
+        # fixed from here on: the start-up log and every heartbeat's registry entry show it
+        self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}"
 
     def _layer(self, layer, column_major: bool) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp

@@ -33,8 +33,8 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     t0 = time.perf_counter()
     runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels,
                          attention=args.attention)
-    log.info("loaded %s on %s as %s in %.1fs; matrix products by rows: %s; attention: %s", args.model, device,
-             dtype, time.perf_counter() - t0, runner.kernels.describe(), runner.attention)
+    log.info("loaded %s on %s as %s in %.1fs; %s", args.model, device, dtype, time.perf_counter() - t0,
+             runner.kernels_summary)
     return runner
 
 
@@ -94,12 +94,6 @@ class ReplicaHost:
             self._evictions.inc(evictions - self._evictions_seen)
             self._evictions_seen = evictions
 
-    @property
-    def kernels(self) -> str:
-        """'products 1+: half; attention native': what the registry and the log show."""
-        runner = self.engine.runner
-        return f"products {runner.kernels.describe()}; attention {runner.attention}"
-
     def info(self) -> ReplicaInfo:
         """The load this replica reports to the registry (every heartbeat); the gauges too."""
         s = self.engine.sessions
@@ -109,7 +103,7 @@ class ReplicaHost:
         return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
                            queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,
                            model=str(self.args.model), vocab_size=self.engine.runner.vocab_size,
-                           dtype=dtype_name(self.engine.runner.dtype), kernels=self.kernels)
+                           dtype=dtype_name(self.engine.runner.dtype), kernels=self.engine.runner.kernels_summary)
 
     def load_report(self) -> replica_pb2.LoadReport:
         s = self.engine.sessions
