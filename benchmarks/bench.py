@@ -11,7 +11,8 @@ One run over held-out prompts (training.corpus.heldout_prompts), greedy and temp
 
 (d)–(f) run against one LocalStack (real redis-server, one draft and one target replica,
 one orchestrator, as subprocesses) started once, at each concurrency c with c concurrent
-streams; then a γ sweep of (d) at one stream. At concurrency c a run has
+streams (f, d, e; on odd passes e, d, f); then a γ sweep of (d) at one stream, every γ
+and a target-only run together in one block. At concurrency c a run has
 max(prompts, per_stream·c) requests cycling over the prompts (--per-stream, default 3: with
 one request per stream, a 16-stream run is mostly its ramp — every stream prefilling at
 once, then a tail with fewer streams left — rather than 16 streams kept busy). Request i
@@ -217,27 +218,32 @@ def in_process_phase(args, draft_model, target_model, tok, requests_for,
     return runs, wire
 
 
-async def stack_phase(args, address: str, requests_for) -> tuple[list[RunResult], list[RunResult]]:
+async def stack_phase(args, address: str, requests_for, rep: int = 0) -> tuple[list[RunResult], list[RunResult]]:
+    """The distributed systems of one pass. Odd passes run each block's systems in reverse
+    order, so that a drift over a block weighs on (d), (e) and (f) alike. The γ sweep is a
+    block of its own: every γ of it, the fixed one included, and a target-only run that
+    its speedups are taken over, measured together at the end of the pass (taking the fixed
+    γ's figure from the main runs would set a point measured minutes earlier, under other
+    conditions, beside the rest)."""
     client = StackClient(address)
     runs, sweep = [], []
+    order = (lambda xs: xs) if rep % 2 == 0 else (lambda xs: xs[::-1])
     try:
         await client.warm_up(requests_for(1), args.max_new_tokens, args.warm_up)
         for mode in args.modes:
             for c in args.concurrency:
                 await client.warm_up_loaded(requests_for(c), mode, c, args.max_new_tokens, args.load_warm_up)
-                for system, gamma in (("f", 0), ("d", args.gamma), ("e", None)):
+                for system, gamma in order([("f", 0), ("d", args.gamma), ("e", None)]):
                     runs.append(await client.run(system, requests_for(c), mode, c, args.max_new_tokens, gamma))
                     log(describe(runs[-1]))
         for mode in args.modes:
-            for gamma in args.gammas:
-                if gamma == args.gamma:
-                    sweep.append(report.find(runs, "d", mode, 1))
-                    continue
-                sweep.append(await client.run("d", requests_for(1), mode, 1, args.max_new_tokens, gamma))
+            for system, gamma in order([("f", 0)] + [("d", g) for g in args.gammas]):
+                sweep.append(await client.run(system, requests_for(1), mode, 1, args.max_new_tokens, gamma))
                 log(describe(sweep[-1]) + " (γ sweep)")
     finally:
         await client.close()
-    return runs, sweep
+    key = lambda r: (r.mode, r.system, r.concurrency, r.gamma if r.gamma is not None else -1.0)  # noqa: E731
+    return sorted(runs, key=key), sorted(sweep, key=key)  # the same order in every pass (merge pairs them up)
 
 
 def start_stack(args):
@@ -264,7 +270,7 @@ def measure_all(args, draft_model, target_model, tok, requests_for):
             pass_requests = lambda c, rep=rep: requests_for(c, rep)  # noqa: E731
             in_process = lambda: in_process_phase(args, draft_model, target_model, tok, pass_requests,  # noqa: E731
                                                   with_wire=not wire)
-            distributed = lambda: asyncio.run(stack_phase(args, stack.orchestrator_address, pass_requests))  # noqa: E731
+            distributed = lambda: asyncio.run(stack_phase(args, stack.orchestrator_address, pass_requests, rep))  # noqa: E731
             if rep % 2 == 0:
                 (local, w), (remote, sweep) = in_process(), distributed()
             else:
