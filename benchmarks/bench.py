@@ -13,7 +13,9 @@ One run over held-out prompts (training.corpus.heldout_prompts), greedy and temp
 one orchestrator, as subprocesses) started once, at each concurrency c with c concurrent
 streams (f, d, e; on odd passes e, d, f); then a γ sweep of (d) at one stream, every γ
 and a target-only run together in one block. At concurrency c a run has
-max(prompts, per_stream·c) requests cycling over the prompts (--per-stream, default 3: with
+max(prompts, per_stream·c) requests cycling over the prompts, and a one-stream run of (c)–(f)
+at least --one-stream (default 16: 8 requests through the stack last about 2 s, which one
+slow spell moves by 10 %) (--per-stream, default 3: with
 one request per stream, a 16-stream run is mostly its ramp — every stream prefilling at
 once, then a tail with fewer streams left — rather than 16 streams kept busy). Request i
 of pass k carries seed 1000 + 100000·k + i in every system but (e), so (c) and (d) must
@@ -70,9 +72,9 @@ from specdec.models import (BUNDLED_DRAFT, BUNDLED_TARGET, DTYPE_NAMES, dtype_na
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
-        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0, "per_stream": 3}
+        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0, "per_stream": 3, "one_stream": 16}
 QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0,
-         "load_warm_up": 0.0, "per_stream": 1}
+         "load_warm_up": 0.0, "per_stream": 1, "one_stream": 0}
 
 
 def int_list(text: str) -> list[int]:
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--per-stream", type=int,
                     help=f"requests per stream at concurrency c: a run has max(prompts, per_stream × c) requests, "
                          f"so that the streams stay busy past the ramp (default {FULL['per_stream']})")
+    ap.add_argument("--one-stream", type=int,
+                    help=f"requests in each one-stream run of (c)–(f) and of the γ sweep, at least (a run of 8 "
+                         f"requests lasts about 2 s through the stack, and a single slow spell moves it by 10 %%; "
+                         f"(a) and (b), 5× slower, keep the count above) (default {FULL['one_stream']})")
     ap.add_argument("--repeats", type=int,
                     help=f"passes over all systems, interleaved so that a slow spell of a shared machine "
                          f"hits every system alike; their results are pooled (default {FULL['repeats']})")
@@ -140,10 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def request_count(args: argparse.Namespace, concurrency: int) -> int:
+def request_count(args: argparse.Namespace, concurrency: int, fast: bool = False) -> int:
     """Requests in a run at this concurrency: every prompt at least once, and enough for
-    each stream to stay busy past the ramp (--per-stream)."""
-    return max(args.prompts, args.per_stream * concurrency)
+    each stream to stay busy past the ramp (--per-stream); a one-stream run of the fast
+    systems, (c) to (f), at least --one-stream."""
+    n = max(args.prompts, args.per_stream * concurrency)
+    return max(n, args.one_stream) if fast and concurrency == 1 else n
 
 
 def log(msg: str) -> None:
@@ -211,7 +219,7 @@ def in_process_phase(args, draft_model, target_model, tok, requests_for,
         runs.append(run_hf(target_model, requests_for(1), mode, 1, args.max_new_tokens, eos, pad,
                            assistant=draft_model, gamma=args.gamma))
         log(describe(runs[-1]))
-        runs.append(run_spec_loop(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma))
+        runs.append(run_spec_loop(draft, target, requests_for(1, fast=True), mode, args.max_new_tokens, eos, args.gamma))
         log(describe(runs[-1]))
         if with_wire:
             wire[mode] = measure_wire(draft, target, requests_for(1), mode, args.max_new_tokens, eos, args.gamma)
@@ -229,16 +237,16 @@ async def stack_phase(args, address: str, requests_for, rep: int = 0) -> tuple[l
     runs, sweep = [], []
     order = (lambda xs: xs) if rep % 2 == 0 else (lambda xs: xs[::-1])
     try:
-        await client.warm_up(requests_for(1), args.max_new_tokens, args.warm_up)
+        await client.warm_up(requests_for(1, fast=True), args.max_new_tokens, args.warm_up)
         for mode in args.modes:
             for c in args.concurrency:
-                await client.warm_up_loaded(requests_for(c), mode, c, args.max_new_tokens, args.load_warm_up)
+                await client.warm_up_loaded(requests_for(c, fast=True), mode, c, args.max_new_tokens, args.load_warm_up)
                 for system, gamma in order([("f", 0), ("d", args.gamma), ("e", None)]):
-                    runs.append(await client.run(system, requests_for(c), mode, c, args.max_new_tokens, gamma))
+                    runs.append(await client.run(system, requests_for(c, fast=True), mode, c, args.max_new_tokens, gamma))
                     log(describe(runs[-1]))
         for mode in args.modes:
             for system, gamma in order([("f", 0)] + [("d", g) for g in args.gammas]):
-                sweep.append(await client.run(system, requests_for(1), mode, 1, args.max_new_tokens, gamma))
+                sweep.append(await client.run(system, requests_for(1, fast=True), mode, 1, args.max_new_tokens, gamma))
                 log(describe(sweep[-1]) + " (γ sweep)")
     finally:
         await client.close()
@@ -267,7 +275,7 @@ def measure_all(args, draft_model, target_model, tok, requests_for):
     try:
         for rep in range(args.repeats):
             log(f"pass {rep + 1} of {args.repeats}")
-            pass_requests = lambda c, rep=rep: requests_for(c, rep)  # noqa: E731
+            pass_requests = lambda c, rep=rep, fast=False: requests_for(c, rep, fast)  # noqa: E731
             in_process = lambda: in_process_phase(args, draft_model, target_model, tok, pass_requests,  # noqa: E731
                                                   with_wire=not wire)
             distributed = lambda: asyncio.run(stack_phase(args, stack.orchestrator_address, pass_requests, rep))  # noqa: E731
@@ -319,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
 
-    def requests_for(c: int, rep: int = 0):
-        return make_requests(prompt_ids, request_count(args, c), seed_base=pass_seed_base(rep))
+    def requests_for(c: int, rep: int = 0, fast: bool = False):
+        return make_requests(prompt_ids, request_count(args, c, fast), seed_base=pass_seed_base(rep))
 
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -200,17 +200,32 @@ def modes_in(runs: list[RunResult]) -> list[str]:
     return [m for m in ("greedy", "t1") if any(r.mode == m for r in runs)]
 
 
-def identity_lines(runs: list[RunResult], modes: list[str]) -> list[str]:
+def _agree(passes: list[list[RunResult]], x: str, y: str, mode: str) -> tuple[int, int] | None:
+    """(requests with the same tokens, requests compared) between systems x and y at one
+    stream, pass by pass: request i of a pass is the same request (prompt and seed) in every
+    system of that pass, and a system with fewer requests compares its first ones."""
+    same = total = 0
+    for runs in passes:
+        rx, ry = find(runs, x, mode, 1), find(runs, y, mode, 1)
+        if not (rx and ry):
+            return None
+        pairs = list(zip(rx.outputs, ry.outputs))
+        same += sum(a == b for a, b in pairs)
+        total += len(pairs)
+    return (same, total) if passes else None
+
+
+def identity_lines(runs: list[RunResult], modes: list[str], passes: list[list[RunResult]] = ()) -> list[str]:
+    passes = list(passes) or [runs]
     lines = []
     for mode in modes:
-        c, d, a = (find(runs, s, mode, 1) for s in ("c", "d", "a"))
-        if c and d:
-            same = sum(x == y for x, y in zip(c.outputs, d.outputs))
-            lines.append(f"- {MODE_TITLES[mode]}: (d) = (c) token for token on {same}/{len(c.outputs)} requests "
+        dc = _agree(passes, "d", "c", mode)
+        if dc:
+            lines.append(f"- {MODE_TITLES[mode]}: (d) = (c) token for token on {dc[0]}/{dc[1]} requests "
                          "(same seeds; the pipeline must reproduce the in-process loop)")
-        if mode == "greedy" and a and c:
-            same = sum(x == y for x, y in zip(a.outputs, c.outputs))
-            lines.append(f"- greedy: (c) = (a) HF generate() token for token on {same}/{len(c.outputs)} requests")
+        ca = _agree(passes, "a", "c", mode) if mode == "greedy" else None
+        if ca:
+            lines.append(f"- greedy: (c) = (a) HF generate() token for token on {ca[0]}/{ca[1]} requests")
     return lines
 
 
@@ -237,7 +252,8 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"- software: {meta['versions']}",
            f"- draft: {meta['draft']}", f"- target: {meta['target']}",
            f"- workload: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens per request, at concurrency c "
-           f"max({args.prompts}, {args.per_stream}·c) requests, measured in {args.repeats} interleaved pass(es) and pooled, each "
+           f"max({args.prompts}, {args.per_stream}·c) requests (one-stream runs of (c)–(f) and the γ sweep: "
+           f"{max(args.prompts, args.per_stream, getattr(args, 'one_stream', 0))}), measured in {args.repeats} interleaved pass(es) and pooled, each "
            f"pass's distributed runs after {args.warm_up:.0f} s of warm-up traffic, and each concurrency c > 1 after "
            f"{args.load_warm_up:g} s of adaptive traffic at c (what the γ policy and load governor learn per load); "
            f"fixed γ = {args.gamma}; request i of pass k carries seed 1000 + 100000·k + i (each pass samples its own texts) "
@@ -270,7 +286,7 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
             "Serialized internal messages per round (ProposeRequest, ProposeResponse, VerifyRequest, VerifyResponse), "
             "built exactly as the services build them for the rounds of (c); ≈ marks estimates from the model below. "
             "HTTP/2 and TCP framing not counted.", "", *wire_lines(wire), "",
-            "## Consistency", "", *identity_lines(runs, args.modes), "",
+            "## Consistency", "", *identity_lines(runs, args.modes, passes), "",
             "## Definitions", "",
             "- tokens/s: tokens generated ÷ wall time of the run (aggregate over the c streams).",
             "- ms/tok: each request's wall time ÷ its tokens; p50/p99 over requests (nearest rank).",

@@ -91,6 +91,9 @@ def test_a_run_keeps_every_stream_busy_for_per_stream_requests():
     assert [request_count(args, c) for c in (1, 4, 16)] == [8, 12, 48]  # default: 3 per stream
     assert request_count(parse_args(["--prompts", "8", "--per-stream", "1"]), 16) == 16
     assert request_count(parse_args(["--quick"]), 2) == 2
+    # one stream of the fast systems: at least --one-stream (default 16), every concurrency above 1 unchanged
+    assert [request_count(args, c, fast=True) for c in (1, 4, 16)] == [16, 12, 48]
+    assert request_count(parse_args(["--prompts", "8", "--one-stream", "4"]), 1, fast=True) == 8
     with pytest.raises(SystemExit, match="per-stream"):
         parse_args(["--per-stream", "0"])
 
@@ -173,3 +176,21 @@ def test_step_costs_are_timed_by_turns_with_the_draft_in_runs(monkeypatch):
     assert order == turn * 5  # two warm-up turns and three kept
     assert c.draft_run == 3 and set(c.draft_step_ms) == {1, 2} and set(c.verify_ms[2]) == {0, 2}
     assert all(ms > 0 for ms in [*c.draft_step_ms.values(), *c.verify_ms[1].values(), *c.verify_ms[2].values()])
+
+
+def test_consistency_pairs_requests_pass_by_pass_when_systems_ran_different_counts():
+    from benchmarks.report import identity_lines
+
+    def run(system, outputs):
+        r = RunResult(system, "greedy", 1, 4)
+        r.outputs = [list(o) for o in outputs]
+        return r
+
+    # pass k: (a) ran 2 requests, (c) and (d) ran 4; (d) differs from (c) on request 3 of pass 1
+    p0 = [run("a", [[1], [2]]), run("c", [[1], [2], [3], [4]]), run("d", [[1], [2], [3], [4]])]
+    p1 = [run("a", [[5], [6]]), run("c", [[5], [6], [7], [8]]), run("d", [[5], [6], [7], [9]])]
+    merged = [run("a", [[1], [2], [5], [6]]), run("c", [[1], [2], [3], [4], [5], [6], [7], [8]]),
+              run("d", [[1], [2], [3], [4], [5], [6], [7], [9]])]
+    lines = identity_lines(merged, ["greedy"], [p0, p1])
+    assert "(d) = (c) token for token on 7/8 requests" in lines[0]
+    assert "(c) = (a) HF generate() token for token on 4/4 requests" in lines[1]  # pooled, (a)'s 4 would misalign
