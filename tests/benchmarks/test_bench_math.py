@@ -64,6 +64,17 @@ def test_targets_are_ratios_with_pass_and_fail():
     assert small["greedy, 1 stream: (e) ÷ (f)"].verdict == "PASS"
 
 
+def test_an_e_that_never_speculated_is_noted_as_a_like_run_of_f():
+    runs = [_run(s, "t1", c, tps) for c in (1, 4) for s, tps in (("e", 96 * c), ("f", 100 * c))]
+    find = {(r.system, r.concurrency): r for r in runs}
+    find[("e", 1)].gamma, find[("e", 4)].gamma = 3.9, 0.02  # the governor kept 4 streams target-only
+    checks = {c.target: c for c in check_targets(runs, [1, 4]) if "(e) ÷ (f)" in c.target}
+    alone, loaded = checks["temperature 1, 1 stream: (e) ÷ (f)"], checks["temperature 1, 4 streams: (e) ÷ (f)"]
+    assert alone.verdict == loaded.verdict == "FAIL"  # the verdict stands; the note explains it
+    assert alone.note == ""
+    assert "mean γ 0.02" in loaded.note and "like runs" in loaded.note
+
+
 def test_scaling_target_is_not_judged_below_16_streams():
     runs = [_run(s, "greedy", c, 10 * c) for c in (1, 2) for s in "abcdef"]
     check = next(c for c in check_targets(runs, [1, 2]) if c.target.startswith("greedy: (e) at 2 streams"))
