@@ -141,7 +141,8 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m training", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m training", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="models", help="output directory (default: models)")
     ap.add_argument("--steps", type=int, default=1100, help="joint target+draft steps")
     ap.add_argument("--distill-steps", type=int, default=300, help="draft-only steps against the final target")
