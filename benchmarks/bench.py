@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                draft=model_summary(draft_model, args.draft), target=model_summary(target_model, args.target))
+                draft=model_summary(draft_model, args.draft), target=model_summary(target_model, args.target),
+                one_stream_requests=request_count(args, 1, fast=True))
     log(f"measuring step costs (batches {args.concurrency})")
     costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), args.concurrency,
                           sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps,

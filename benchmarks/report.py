@@ -224,7 +224,7 @@ def _agree(passes: list[list[RunResult]], x: str, y: str, mode: str) -> tuple[in
         pairs = list(zip(rx.outputs, ry.outputs))
         same += sum(a == b for a, b in pairs)
         total += len(pairs)
-    return (same, total) if passes else None
+    return same, total
 
 
 def identity_lines(runs: list[RunResult], modes: list[str], passes: list[list[RunResult]] = ()) -> list[str]:
@@ -265,7 +265,7 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"- draft: {meta['draft']}", f"- target: {meta['target']}",
            f"- workload: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens per request, at concurrency c "
            f"max({args.prompts}, {args.per_stream}·c) requests (one-stream runs of (c)–(f) and the γ sweep: "
-           f"{max(args.prompts, args.per_stream, getattr(args, 'one_stream', 0))}), measured in {args.repeats} interleaved pass(es) and pooled, each "
+           f"{meta['one_stream_requests']}), measured in {args.repeats} interleaved pass(es) and pooled, each "
            f"pass's distributed runs after {args.warm_up:.0f} s of warm-up traffic, and each concurrency c > 1 after "
            f"{args.load_warm_up:g} s of adaptive traffic at c (what the γ policy and load governor learn per load); "
            f"fixed γ = {args.gamma}; request i of pass k carries seed 1000 + 100000·k + i (each pass samples its own texts) "
