@@ -13,9 +13,9 @@ One run over held-out prompts (training.corpus.heldout_prompts), greedy and temp
 one orchestrator, as subprocesses) started once, at each concurrency c with c concurrent
 streams (f, d, e; on odd passes e, d, f); then a γ sweep of (d) at one stream, every γ
 and a target-only run together in one block. At concurrency c a run has
-max(prompts, per_stream·c) requests cycling over the prompts, and a one-stream run of (c)–(f)
-at least --one-stream (default 16: 8 requests through the stack last about 2 s, which one
-slow spell moves by 10 %) (--per-stream, default 3: with
+max(prompts, per_stream·c) requests cycling over the prompts, and a run of (c)–(f) at
+least --min-requests (default 16: 8 requests through the stack last about 2 s, which one
+slow spell moves by 10 %; 12 requests at 4 streams about 1.3 s) (--per-stream, default 3: with
 one request per stream, a 16-stream run is mostly its ramp — every stream prefilling at
 once, then a tail with fewer streams left — rather than 16 streams kept busy). Request i
 of pass k carries seed 1000 + 100000·k + i in every system but (e), so (c) and (d) must
@@ -72,9 +72,9 @@ from specdec.models import (BUNDLED_DRAFT, BUNDLED_TARGET, DTYPE_NAMES, dtype_na
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
-        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0, "per_stream": 3, "one_stream": 16}
+        "repeats": 2, "warm_up": 5.0, "load_warm_up": 6.0, "per_stream": 3, "min_requests": 16}
 QUICK = {"prompts": 2, "max_new_tokens": 16, "concurrency": "1,2", "gammas": "2,4", "cost_reps": 3, "repeats": 1, "warm_up": 0.0,
-         "load_warm_up": 0.0, "per_stream": 1, "one_stream": 0}
+         "load_warm_up": 0.0, "per_stream": 1, "min_requests": 0}
 
 
 def int_list(text: str) -> list[int]:
@@ -116,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--per-stream", type=int,
                     help=f"requests per stream at concurrency c: a run has max(prompts, per_stream × c) requests, "
                          f"so that the streams stay busy past the ramp (default {FULL['per_stream']})")
-    ap.add_argument("--one-stream", type=int,
-                    help=f"requests in each one-stream run of (c)–(f) and of the γ sweep, at least (a run of 8 "
+    ap.add_argument("--min-requests", type=int,
+                    help=f"requests in each run of (c)–(f) and of the γ sweep, at least (a one-stream run of 8 "
                          f"requests lasts about 2 s through the stack, and a single slow spell moves it by 10 %%; "
-                         f"(a) and (b), 5× slower, keep the count above) (default {FULL['one_stream']})")
+                         f"(a) and (b), 5× slower, keep the count above) (default {FULL['min_requests']})")
     ap.add_argument("--repeats", type=int,
                     help=f"passes over all systems, interleaved so that a slow spell of a shared machine "
                          f"hits every system alike; their results are pooled (default {FULL['repeats']})")
@@ -148,10 +148,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def request_count(args: argparse.Namespace, concurrency: int, fast: bool = False) -> int:
     """Requests in a run at this concurrency: every prompt at least once, and enough for
-    each stream to stay busy past the ramp (--per-stream); a one-stream run of the fast
-    systems, (c) to (f), at least --one-stream."""
+    each stream to stay busy past the ramp (--per-stream); a run of the fast systems,
+    (c) to (f), at least --min-requests, whose runs would otherwise last a second or two
+    (a 4-stream run of 12 requests took about 1.3 s and swung ±7 % from pass to pass)."""
     n = max(args.prompts, args.per_stream * concurrency)
-    return max(n, args.one_stream) if fast and concurrency == 1 else n
+    return max(n, args.min_requests) if fast else n
 
 
 def log(msg: str) -> None:
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 draft=model_summary(draft_model, args.draft), target=model_summary(target_model, args.target),
-                one_stream_requests=request_count(args, 1, fast=True))
+                min_requests=request_count(args, 1, fast=True))
     log(f"measuring step costs (batches {args.concurrency})")
     costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), args.concurrency,
                           sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps,

@@ -264,8 +264,8 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            f"- software: {meta['versions']}",
            f"- draft: {meta['draft']}", f"- target: {meta['target']}",
            f"- workload: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens per request, at concurrency c "
-           f"max({args.prompts}, {args.per_stream}·c) requests (one-stream runs of (c)–(f) and the γ sweep: "
-           f"{meta['one_stream_requests']}), measured in {args.repeats} interleaved pass(es) and pooled, each "
+           f"max({args.prompts}, {args.per_stream}·c) requests, and at least "
+           f"{meta['min_requests']} in a run of (c)–(f) and of the γ sweep, measured in {args.repeats} interleaved pass(es) and pooled, each "
            f"pass's distributed runs after {args.warm_up:.0f} s of warm-up traffic, and each concurrency c > 1 after "
            f"{args.load_warm_up:g} s of adaptive traffic at c (what the γ policy and load governor learn per load); "
            f"fixed γ = {args.gamma}; request i of pass k carries seed 1000 + 100000·k + i (each pass samples its own texts) "

@@ -102,9 +102,9 @@ def test_a_run_keeps_every_stream_busy_for_per_stream_requests():
     assert [request_count(args, c) for c in (1, 4, 16)] == [8, 12, 48]  # default: 3 per stream
     assert request_count(parse_args(["--prompts", "8", "--per-stream", "1"]), 16) == 16
     assert request_count(parse_args(["--quick"]), 2) == 2
-    # one stream of the fast systems: at least --one-stream (default 16), every concurrency above 1 unchanged
-    assert [request_count(args, c, fast=True) for c in (1, 4, 16)] == [16, 12, 48]
-    assert request_count(parse_args(["--prompts", "8", "--one-stream", "4"]), 1, fast=True) == 8
+    # a run of the fast systems: at least --min-requests (default 16); 16 streams already run more
+    assert [request_count(args, c, fast=True) for c in (1, 4, 16)] == [16, 16, 48]
+    assert request_count(parse_args(["--prompts", "8", "--min-requests", "4"]), 1, fast=True) == 8
     with pytest.raises(SystemExit, match="per-stream"):
         parse_args(["--per-stream", "0"])
 
