@@ -31,6 +31,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from specdec import native
+
 _MASK64 = (1 << 64) - 1
 STREAM_BONUS, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESAMPLE = 0, 1, 2, 3
 VECTOR_FROM = 16  # uniforms_at hashes this many or more at once in numpy
@@ -247,9 +249,24 @@ def draft_tokens_rows(q: torch.Tensor, params: Sequence[SamplingParams], positio
     return out
 
 
+_NATIVE_DRAWS = (torch.float32, torch.float64)  # the probabilities specdec.native's sample_rows takes
+
+
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: [..., V] probabilities (need not sum to 1) and [...] uniforms
-    → [...] token ids. Deterministic given u; never returns a zero-probability token."""
+    → [...] token ids. Deterministic given u; never returns a zero-probability token.
+    On a CPU where a model runner has loaded specdec.native, one call of its sample_rows
+    draws the same tokens (tests/specdec/test_native_sampling.py)."""
+    kernels = native.loaded()
+    if (kernels is not None and probs.is_cpu and u.is_cpu and probs.dtype in _NATIVE_DRAWS
+            and probs.shape[-1] > 0 and u.shape == probs.shape[:-1]):
+        return kernels.sample_rows(probs, u)
+    return sample_from_torch(probs, u)
+
+
+def sample_from_torch(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample_from` in torch's operators: any device, and the reference the native draw is
+    tested against."""
     cdf = probs.double().cumsum(-1)
     target = u.to(cdf.dtype) * cdf[..., -1]
     idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)

@@ -4,7 +4,9 @@ compiler through torch's cpp_extension (about 40 s, then cached) or loaded prebu
 - `half_linear`: matrix products over weights held in 16 bits (specdec.half_weights);
 - `packed_attention`: one call per layer for every session's causal attention
   (specdec.model_runner);
-- `decoder_layer`: a whole Llama layer over those two, in one call.
+- `decoder_layer`: a whole Llama layer over those two, in one call, and `rms_norm`, the
+  same norm for the model's final one;
+- `sample_rows`: inverse-CDF draws of whole rows, specdec.sampling.sample_from's to the bit.
 
 Each kernel picks AVX-512, AVX2 or plain C++ when it loads, so one build serves any
 x86-64 CPU. Where the build fails (no compiler, another architecture) `module()` is None,
@@ -51,6 +53,12 @@ def module():
                 lines = str(exc).strip().splitlines()
                 _failed = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
                 log.warning("specdec's CPU kernels are unavailable, serving with torch's operators: %s", _failed)
+    return _module
+
+
+def loaded():
+    """The extension if a model runner has loaded it in this process, else None: for the
+    sampling core, which should use the kernels where they are but never wait for a build."""
     return _module
 
 

@@ -81,3 +81,18 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
   ops.add(out.data_ptr<float>(), y.data_ptr<float>(), rows * hidden);  // out = y + MLP
   return out;
 }
+
+// The model's final norm over the rows the head reads, with the layers' own loop: torch's
+// composite rms_norm costs about 18 µs of dispatch for one row of 256 on the 2-core CPU,
+// a twentieth of a draft step.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "rms_norm: x must be a contiguous float32 [rows, hidden] tensor");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: the weight must be contiguous float32 of the hidden size");
+  auto out = torch::empty_like(x);
+  ops_for(specdec::current_isa())
+      .rms_norm(x.data_ptr<float>(), weight.data_ptr<float>(), static_cast<float>(eps), x.size(0), x.size(1),
+                out.data_ptr<float>());
+  return out;
+}

@@ -1,0 +1,82 @@
+"""specdec.native's sample_rows and rms_norm: the native draw picks exactly the token that
+sampling's torch path picks for the same probabilities and uniform, including the floating
+tie that lands on a trailing zero, and the native final norm computes torch's."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import native, sampling
+
+TOP = 1.0 - 2.0 ** -53  # the largest uniform below 1
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native.module()
+    assert module is not None, native.unavailable_reason()
+    return module
+
+
+def _rows(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 4096, generator=gen) * torch.linspace(0.5, 12, 64)[:, None]
+    probs = torch.softmax(logits, -1)
+    probs[::3, ::2] = 0.0  # rows with holes, as top-k / top-p and residuals leave
+    probs[5] = 0.0
+    probs[5, 17] = 1.0  # one-hot
+    probs[7, :4000] = 0.0  # mass only at the end
+    probs[9, 100:] = 0.0  # mass only at the start: trailing zeros
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, TOP, 0.5, 1e-300], dtype=torch.float64)
+    return probs.to(dtype), u
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_draws_are_the_torch_draws(kernels, dtype):
+    probs, u = _rows(dtype)
+    want = sampling.sample_from_torch(probs, u)
+    assert torch.equal(kernels.sample_rows(probs, u), want)
+    assert torch.equal(sampling.sample_from(probs, u), want)  # the path sample_from takes once loaded
+    for k in range(0, 4096, 512):  # uniforms across each row's whole range
+        uk = torch.full((64,), k / 4096, dtype=torch.float64)
+        assert torch.equal(kernels.sample_rows(probs, uk), sampling.sample_from_torch(probs, uk))
+
+
+def test_a_tie_at_the_top_steps_back_to_the_last_token_with_mass(kernels):
+    probs = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    u = torch.tensor([TOP], dtype=torch.float64)  # u · 3 rounds to 3: no running sum exceeds it
+    assert sampling.sample_from_torch(probs, u).tolist() == [2]
+    assert kernels.sample_rows(probs, u).tolist() == [2]
+    nothing = torch.zeros(1, 5, dtype=torch.float64)  # no mass at all: token 0, as torch's path
+    assert kernels.sample_rows(nothing, u).tolist() == sampling.sample_from_torch(nothing, u).tolist() == [0]
+
+
+def test_sample_from_keeps_its_shapes_on_the_native_path(kernels):
+    q = torch.softmax(torch.randn(4096, generator=torch.Generator().manual_seed(1)), -1)
+    assert sampling.draft_token(q, sampling.SamplingParams(seed=3), 40) == \
+        int(sampling.sample_from_torch(q, torch.tensor(sampling.uniform(3, 40, sampling.STREAM_DRAFT))))
+    grid = torch.softmax(torch.randn(2, 3, 50), -1)
+    for u in (torch.rand(2, 3, dtype=torch.float64), torch.rand(2, 3)):  # float32 uniforms widen alike
+        assert torch.equal(kernels.sample_rows(grid, u), sampling.sample_from_torch(grid, u))
+        assert torch.equal(sampling.sample_from(grid, u), sampling.sample_from_torch(grid, u))
+    strided = torch.softmax(torch.randn(50, 6), 0).t()  # not contiguous
+    u = torch.rand(6, dtype=torch.float64)
+    assert torch.equal(kernels.sample_rows(strided, u), sampling.sample_from_torch(strided, u))
+
+
+def test_sample_rows_rejects_what_it_cannot_draw_from(kernels):
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        kernels.sample_rows(torch.ones(2, 4, dtype=torch.float16), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="shape of probs' rows"):
+        kernels.sample_rows(torch.ones(2, 4), torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="empty vocabulary"):
+        kernels.sample_rows(torch.ones(2, 0), torch.zeros(2, dtype=torch.float64))
+
+
+def test_native_rms_norm_is_torchs(kernels, isa):
+    gen = torch.Generator().manual_seed(8)
+    for rows, hidden in ((1, 256), (5, 256), (3, 100)):
+        x, w = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+        assert torch.allclose(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (hidden,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="hidden size"):
+        kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
