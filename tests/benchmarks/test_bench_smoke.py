@@ -104,6 +104,18 @@ def test_dtype_probe_times_each_shape_in_each_dtype(capsys):
     assert all("float32" in ln and "bfloat16" in ln and "×)" in ln for ln in lines)
 
 
+def test_draw_probe_times_both_arms_and_leaves_the_native_calls_on(capsys):
+    from benchmarks import draw_probe
+    from specdec import native, sampling
+
+    assert draw_probe.main(["--rounds", "2", "--reps", "3", "--gamma", "2"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "median" not in ln]
+    assert [r.split(" | ")[0] for r in rows] == ["| draft step", "| target step", "| proposal γ=2, greedy",
+                                                 "| proposal γ=2, t=1"]
+    assert all(float(r.split(" | ")[1]) > 0 and float(r.split(" | ")[2]) > 0 for r in rows)
+    assert native.loaded() is not None and sampling.sample_from is not sampling.sample_from_torch  # switched back
+
+
 def test_stop_rule_probe_prices_fixed_and_stopping_proposals(capsys):
     from benchmarks import stop_rule_probe
 
@@ -139,6 +151,7 @@ REFUSALS = [
     ("dtype_probe", ["--shapes", "4"], "--shapes"),
     ("stop_rule_probe", ["--thresholds", "0.1,x"], "--thresholds"),
     ("stop_rule_probe", ["--max-gamma", "0"], "--max-gamma"),
+    ("draw_probe", ["--reps", "0"], "--reps"),
 ]
 
 
