@@ -36,15 +36,15 @@ class Arms:
         if native.module() is None:
             raise SystemExit(f"specdec's CPU kernels are unavailable here: {native.unavailable_reason()}")
         self.draw = sampling.sample_from
-        self.norms = {id(r): (r, r._final_rms_norm) for r in runners}
-        if any(norm is None for _, norm in self.norms.values()):
+        self.norms = [(r, r._final_rms_norm) for r in runners]
+        if any(norm is None for _, norm in self.norms):
             raise SystemExit("the runners do not fuse their layers here (no 16-bit products?): nothing to compare")
 
     def use(self, native_calls: bool) -> None:
         # sampling's own functions look sample_from up at each call; the products keep their
         # native kernels either way (only the draw and the final norm differ between arms)
         sampling.sample_from = self.draw if native_calls else sampling.sample_from_torch
-        for runner, norm in self.norms.values():
+        for runner, norm in self.norms:
             runner._final_rms_norm = norm if native_calls else torch_rms_norm
 
 

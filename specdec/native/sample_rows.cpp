@@ -1,5 +1,5 @@
 // Inverse-CDF draws for rows of probabilities in one call: specdec.sampling.sample_from's
-// draw to the bit, without its dozen operator dispatches (about 36 µs a row of 4,096 on the
+// draw to the bit, without its dozen operator dispatches (about 30 µs a row of 4,096 on the
 // 2-core CPU, most of a draft step's sampling). Per row: a running float64 sum in token
 // order (torch's CPU cumsum sums in that order too), the first token whose running sum
 // exceeds u · total (searchsorted, right: a binary search of the sums), clamped to the
