@@ -69,6 +69,7 @@ from benchmarks.runs import MODE_TITLES, MODES, SYSTEMS, RunResult, make_request
 from specdec.model_runner import ModelRunner
 from specdec.models import (BUNDLED_DRAFT, BUNDLED_TARGET, DTYPE_NAMES, dtype_name, load_model, load_tokenizer,
                              pick_device, pick_dtype)
+from specdec.quantize import CHOICES as QUANTIZE_CHOICES, resolve as resolve_quantize
 
 HERE = Path(__file__).resolve().parent
 FULL = {"prompts": 8, "max_new_tokens": 96, "concurrency": "1,4,16", "gammas": "1,2,4,6,8", "cost_reps": 10,
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's dtype (auto: fp32 on a CPU, bf16 on a GPU; float32|bfloat16|float16), "
                          "in every system, in process and in the stack's replicas")
     ap.add_argument("--draft-dtype", choices=DTYPE_NAMES, help="the draft's dtype, likewise (default: --dtype)")
+    ap.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, default="auto",
+                    help="the draft's weights in every system, as the draft replica's --quantize (auto: int8 for "
+                         "a float32 draft on a CPU with the native kernels, else none; default auto)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")
     ap.add_argument("--cost-reps", type=int, help="repetitions per timed forward (default 10)")
@@ -211,7 +215,7 @@ def in_process_phase(args, draft_model, target_model, tok, requests_for,
                      with_wire: bool = True) -> tuple[list[RunResult], dict]:
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
-    draft, target = build_engines(draft_model, target_model)
+    draft, target = build_engines(draft_model, target_model, args.draft_quantize)
     runs, wire = [], {}
     for mode in args.modes:
         for c in args.concurrency:
@@ -260,7 +264,8 @@ def start_stack(args):
 
     extra = {} if args.device == "auto" else {"SPECDEC_DEVICE": args.device}
     stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=args.server_threads, extra_env=extra,
-                       dtypes={"draft": args.draft_dtype, "target": args.dtype})
+                       dtypes={"draft": args.draft_dtype, "target": args.dtype},
+                       draft_args=["--quantize", args.draft_quantize])
     t0 = time.perf_counter()
     stack.start()
     log(f"stack up in {time.perf_counter() - t0:.1f}s (orchestrator {stack.orchestrator_address}, logs in {stack.workdir})")
@@ -324,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(args.target)
     draft_model = load_model(args.draft, device, pick_dtype(args.draft_dtype, device))
     target_model = load_model(args.target, device, pick_dtype(args.dtype, device))
+    # resolved once, here, for the in-process systems and the draft replica alike
+    args.draft_quantize = resolve_quantize(args.draft_quantize, device, next(draft_model.parameters()).dtype)
     from training.corpus import heldout_prompts
 
     prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
@@ -334,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                draft=model_summary(draft_model, args.draft), target=model_summary(target_model, args.target),
+                draft=model_summary(draft_model, args.draft) + (
+                    f", {args.draft_quantize} weights" if args.draft_quantize != "none" else ""),
+                target=model_summary(target_model, args.target),
                 min_requests=request_count(args, 1, fast=True))
     log(f"measuring step costs (batches {args.concurrency})")
-    costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), args.concurrency,
+    costs = measure_costs(ModelRunner(draft_model, quantize=args.draft_quantize), ModelRunner(target_model),
+                          args.concurrency,
                           sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps,
                           decision_gamma=args.gamma)
     log(f"c = {costs.ratio:.3f}: draft step {costs.draft_ms(1):.2f} ms, target step {costs.target_step_ms(1):.2f} ms")

@@ -16,6 +16,8 @@ and each dtype's ratio to the first.
 kernels it picks at start-up (specdec.linear_kernels), and `--attention sdpa,native`
 torch's attention per session with specdec.native's one call per layer: every (dtype,
 kernels, attention) combination is a runner of its own, the first the reference.
+`--model models/draft --quantize none,int8` compares a draft's 16-bit weights with its int8
+ones (specdec.quantize; a draft replica's `--quantize`).
 
 The dtype changes the numbers the target computes, so it is a choice of the model served,
 made for every replica at start (`--dtype` of the replicas), never per batch: the output is
@@ -33,6 +35,7 @@ from benchmarks.costs import sync_device
 from specdec.linear_kernels import MODES
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.models import BUNDLED_TARGET, load_model
+from specdec.quantize import MODES as QUANTIZE_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention", default="auto",
                     help="the runners' attention to compare, of auto, native, sdpa (default auto)")
     ap.add_argument("--fuse", default="on", help="fused native layers: on, off, or on,off to compare (default on)")
+    ap.add_argument("--quantize", default="none",
+                    help="the weights: none, int8, or none,int8 to compare (a draft's option; default none)")
     ap.add_argument("--shapes", default="1x1,1x5,6x5,16x5",
                     help="SESSIONSxTOKENS forwards to time (default 1x1,1x5,6x5,16x5)")
     ap.add_argument("--context", type=int, default=150, help="cached positions per session (default 150)")
@@ -104,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     fuse = [f.strip() for f in args.fuse.split(",") if f.strip()]
     if not fuse or set(fuse) - {"on", "off"}:
         raise SystemExit(f"--fuse takes on, off or both, got {args.fuse!r}")
+    quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    if not quantize or set(quantize) - set(QUANTIZE_MODES):
+        raise SystemExit(f"--quantize takes names of {', '.join(QUANTIZE_MODES)}, got {args.quantize!r}")
     shapes = parse_shapes(args.shapes)
     if args.reps < 1 or args.context < 1:
         raise SystemExit("--reps and --context must be at least 1")
@@ -114,14 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         for k in kernels:
             for a in attention:
                 for f in fuse:
-                    name = " ".join([d] + ([k] if len(kernels) > 1 else []) + ([a] if len(attention) > 1 else [])
-                                    + ([f"fused-{f}"] if len(fuse) > 1 else []))
-                    variants[name] = (d, k, a, f)
+                    for q in quantize:
+                        name = " ".join([d] + ([k] if len(kernels) > 1 else []) + ([a] if len(attention) > 1 else [])
+                                        + ([f"fused-{f}"] if len(fuse) > 1 else []) + ([q] if len(quantize) > 1 else []))
+                        variants[name] = (d, k, a, f, q)
     names = list(variants)
     runners = {}
-    for name, (dtype, kernel, att, f) in variants.items():
+    for name, (dtype, kernel, att, f, q) in variants.items():
         runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel, attention=att,
-                                    fuse_layers=f == "on")
+                                    fuse_layers=f == "on", quantize=q)
         r = runners[name]
         print(f"{name}: {r.kernels_summary}; fused layers {'on' if r.fused else 'off'}")
     cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}

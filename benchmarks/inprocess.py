@@ -85,9 +85,11 @@ def run_hf(target, requests: list[Request], mode: str, concurrency: int, max_new
     return res
 
 
-def build_engines(draft_model, target_model) -> tuple[DraftEngine, TargetEngine]:
-    """Our engines over the very modules HF runs (shared weights)."""
-    return DraftEngine(ModelRunner(draft_model)), TargetEngine(ModelRunner(target_model))
+def build_engines(draft_model, target_model, draft_quantize: str = "none") -> tuple[DraftEngine, TargetEngine]:
+    """Our engines over the very modules HF runs (shared weights: an int8 draft is quantised
+    in place, so HF's assisted generation drafts with the same quantised model)."""
+    return (DraftEngine(ModelRunner(draft_model, quantize=draft_quantize)),
+            TargetEngine(ModelRunner(target_model)))
 
 
 def _params(base: SamplingParams, seed: int) -> SamplingParams:

@@ -24,25 +24,28 @@ from benchmarks.costs import expected_tokens, measure_costs
 from benchmarks.inprocess import build_engines, quiet_transformers, run_hf, run_spec_loop
 from benchmarks.runs import MODE_TITLES, MODES, make_requests
 from specdec.model_runner import ModelRunner
+from specdec.quantize import CHOICES as QUANTIZE_CHOICES, resolve as resolve_quantize
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_tokenizer, pick_device, pick_dtype
 
 
 def run_pair(draft_path: str = str(BUNDLED_DRAFT), target_path: str = str(BUNDLED_TARGET), prompts: int = 8,
              max_new_tokens: int = 64, gamma: int = 4, modes: tuple[str, ...] = ("greedy", "t1"),
-             cost_reps: int = 10, device: str = "auto") -> dict:
+             cost_reps: int = 10, device: str = "auto", draft_quantize: str = "auto") -> dict:
     """α, c and the three systems' tokens/s; see the module docstring."""
     dev = pick_device(device)
     dtype = pick_dtype("auto", dev)
     tok = load_tokenizer(target_path)
     draft_model, target_model = load_model(draft_path, dev, dtype), load_model(target_path, dev, dtype)
+    draft_quantize = resolve_quantize(draft_quantize, dev, dtype)  # as a draft replica resolves it
     from training.corpus import heldout_prompts
 
     requests = make_requests([tok(p)["input_ids"] for p in heldout_prompts(prompts)], prompts)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
-    costs = measure_costs(ModelRunner(draft_model), ModelRunner(target_model), [1], [0, gamma], reps=cost_reps)
-    draft, target = build_engines(draft_model, target_model)
-    out = {"draft": draft_path, "target": target_path, "prompts": prompts, "max_new_tokens": max_new_tokens,
+    costs = measure_costs(ModelRunner(draft_model, quantize=draft_quantize), ModelRunner(target_model), [1],
+                          [0, gamma], reps=cost_reps)
+    draft, target = build_engines(draft_model, target_model, draft_quantize)
+    out = {"draft": draft_path, "draft_quantize": draft_quantize, "target": target_path, "prompts": prompts, "max_new_tokens": max_new_tokens,
            "gamma": gamma, "draft_step_ms": costs.draft_ms(1), "target_step_ms": costs.target_step_ms(1),
            "verify_ms": costs.verify(gamma, 1), "cost_ratio": costs.ratio, "modes": {}}
     for mode in modes:
@@ -58,7 +61,8 @@ def run_pair(draft_path: str = str(BUNDLED_DRAFT), target_path: str = str(BUNDLE
 
 
 def format_table(res: dict) -> str:
-    lines = [f"draft {res['draft']}, target {res['target']}; {res['prompts']} held-out prompts × "
+    quantized = f" ({res['draft_quantize']} weights)" if res.get("draft_quantize", "none") != "none" else ""
+    lines = [f"draft {res['draft']}{quantized}, target {res['target']}; {res['prompts']} held-out prompts × "
              f"{res['max_new_tokens']} new tokens, γ = {res['gamma']}",
              f"draft step {res['draft_step_ms']:.2f} ms, target step {res['target_step_ms']:.2f} ms, "
              f"cost ratio c = {res['cost_ratio']:.3f}; verify γ+1 = {res['gamma'] + 1} tokens "
@@ -86,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: the bundled draft)")
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: the bundled target)")
     ap.add_argument("--device", default="auto", help="auto|cpu|cuda")
+    ap.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, default="auto",
+                    help="the draft's weights in every system, as a draft replica's --quantize (auto: int8 for a "
+                         "float32 draft on a CPU with the native kernels, else none; default auto)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--cost-reps", type=int, default=10, help="repetitions per timed forward (default 10)")
     ap.add_argument("--json", type=Path, help="also write the numbers as JSON here")
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     torch.set_num_threads(args.threads)
     res = run_pair(args.draft, args.target, args.prompts, args.max_new_tokens, args.gamma, modes, args.cost_reps,
-                   args.device)
+                   args.device, args.draft_quantize)
     res["command"] = "python -m benchmarks.pair " + " ".join(argv if argv is not None else sys.argv[1:])
     print(format_table(res))
     print(f"\n(command: {res['command']}; torch threads {args.threads})")

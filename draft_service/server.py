@@ -9,10 +9,11 @@ import torch
 
 from draft_service.engine import DraftEngine, ProposeJob
 from specdec import sampling
-from specdec.config import add_common_args, add_replica_args
+from specdec.config import add_common_args, add_replica_args, env
 from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_DRAFT
+from specdec.quantize import CHOICES as QUANTIZE_CHOICES
 from specdec.replica import ReplicaHost, build_runner
 from specdec.sessions import CacheRef
 from specdec.wire import encode
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Draft pool replica: proposes γ tokens per session with their exact distributions.")
     add_common_args(ap, default_port=50061)
     add_replica_args(ap, "draft", str(BUNDLED_DRAFT))
+    ap.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=env("QUANTIZE", "auto"),
+                    help="the draft's weights: int8 (half the bytes a step streams on a CPU; only the "
+                         "proposals change, never the output law), none, or auto (int8 for a float32 model "
+                         "on a CPU with the native kernels, else none) [SPECDEC_QUANTIZE]")
     return ap
 
 

@@ -83,6 +83,7 @@ class LocalStack:
     threads: int = 1
     # the replicas' --dtype, by pool ("draft", "target"); a pool not named takes its default
     dtypes: dict = field(default_factory=dict)
+    draft_args: list = field(default_factory=list)  # more flags for every draft replica (e.g. --quantize)
     redis_password: str | None = None
     quiet: bool = True
     extra_env: dict = field(default_factory=dict)
@@ -146,7 +147,8 @@ class LocalStack:
         model = self.draft_model if kind == "draft" else self.target_model
         args = [sys.executable, "-m", f"{kind}_service", "--port", str(port), "--host", "127.0.0.1",
                 "--model", model, "--threads", str(self.threads), "--drain-seconds", "2",
-                *(["--dtype", self.dtypes[kind]] if kind in self.dtypes else []), *extra]
+                *(["--dtype", self.dtypes[kind]] if kind in self.dtypes else []),
+                *(self.draft_args if kind == "draft" else []), *extra]
         rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}"))
         self.replicas.append(rep)
         if wait:

@@ -30,3 +30,16 @@ def pack(weight: torch.Tensor, dtype: torch.dtype, panel: int) -> torch.Tensor:
     out, inner = weight.shape
     padded = F.pad(weight.to(dtype), (0, 0, 0, (-out) % panel))
     return padded.view(-1, panel, inner).transpose(1, 2).contiguous()
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, panel: int) -> torch.Tensor:
+    """int8 [out, in] values and float32 [out] scales → [panels, in + 4, panel] int8: each
+    panel's values as `pack` lays them out, then its columns' scales as float32 bytes in four
+    more rows, so that one tensor carries all the kernel reads (padded columns: value 0,
+    scale 1)."""
+    out, inner = q.shape
+    pad = (-out) % panel
+    values = F.pad(q, (0, 0, 0, pad)).view(-1, panel, inner).transpose(1, 2)  # [panels, in, panel]
+    scales = F.pad(scale.float(), (0, pad), value=1.0).view(-1, panel).contiguous()
+    scale_rows = scales.view(torch.int8).view(-1, 4, panel)  # the panel's scales' bytes, in order
+    return torch.cat([values, scale_rows], dim=1).contiguous()

@@ -80,10 +80,13 @@ class Product:
     """One weight (and bias) as the forward multiplies by it: `product(x)` is
     `F.linear(x, weight, bias)` by whichever kernel the table picks for x's rows."""
 
-    __slots__ = ("weight", "bias", "table", "packed", "half")
+    __slots__ = ("weight", "bias", "table", "packed", "half", "int8")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable) -> None:
-        self.weight, self.bias, self.table = weight, bias, table
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`int8`: where the weight is int8 values times row scales (specdec.quantize), those
+        factors, which the compact kernel then streams."""
+        self.weight, self.bias, self.table, self.int8 = weight, bias, table, int8
         self.packed = self.half = None
 
     def pack_onednn(self) -> None:
@@ -116,9 +119,11 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
     """Give the products the copies their kernels need and fill `table` for `mode`: one
     kernel everywhere, or under "auto" the fastest of those this machine has, per range
     (`calibrate`). Copies no range uses are dropped. Returns the timings (empty unless
-    timed)."""
+    timed). Where every product carries int8 factors (a quantised draft), the compact kernel
+    ("half") streams those instead of 16-bit values."""
     if mode not in MODES:
         raise ValueError(f"linear kernels must be one of {', '.join(MODES)}, not {mode!r}")
+    int8 = bool(products) and all(p.int8 is not None for p in products)
     have = ["aten"]
     if mode in ("auto", "onednn"):
         if onednn_available(device, dtype):
@@ -127,7 +132,7 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
             raise ValueError(f"oneDNN's products need a CPU and float32 or bfloat16 weights, "
                              f"not {device.type} {dtype}")
     if mode in ("auto", "half"):
-        why = _half_unavailable(products, device, dtype)
+        why = _half_unavailable(products, device, dtype, int8)
         if why is None:
             have.append("half")
         elif mode == "half":
@@ -136,10 +141,13 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
         for p in products:
             p.pack_onednn()
     if "half" in have:
-        dtypes = [half_weights.lossless_dtype(p.weight) for p in products]
         panel = native.module().panel_width()
-        for p, d in zip(products, dtypes):
-            p.pack_half(d, panel)
+        if int8:
+            for p in products:
+                p.half = half_weights.pack_int8(*p.int8, panel)
+        else:
+            for p in products:
+                p.pack_half(half_weights.lossless_dtype(p.weight), panel)
     timings = {}
     if mode == "auto" and len(have) > 1:
         timings = calibrate(_sample(products), table, [KERNELS.index(k) for k in have])
@@ -154,11 +162,13 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
     return timings
 
 
-def _half_unavailable(products: list[Product], device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the 16-bit kernel cannot serve these weights, or None if it can."""
+def _half_unavailable(products: list[Product], device: torch.device, dtype: torch.dtype,
+                      int8: bool = False) -> str | None:
+    """Why the compact kernel (16-bit weights, or int8 ones once quantised) cannot serve
+    these weights, or None if it can."""
     if device.type != "cpu" or dtype != torch.float32:
         return f"it serves float32 models on a CPU, not {device.type} {dtype}"
-    if not products or any(half_weights.lossless_dtype(p.weight) is None for p in products):
+    if not products or (not int8 and any(half_weights.lossless_dtype(p.weight) is None for p in products)):
         return "some weights are not float16 or bfloat16 values"
     if native.module() is None:
         return f"the kernel did not build: {native.unavailable_reason()}"

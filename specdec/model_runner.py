@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from specdec import native
 from specdec.kv_cache import KVCache
 from specdec.linear_kernels import KERNELS, KernelTable, Product, prepare
+from specdec.quantize import MODES as quantize_modes, quantize_linears_
 
 
 HALF = KERNELS.index("half")
@@ -111,7 +112,7 @@ class ModelRunner:
     BAND = 64  # chunks up to this many tokens take their causal mask from a table
 
     def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto", attention: str = "auto",
-                 fuse_layers: bool = True) -> None:
+                 fuse_layers: bool = True, quantize: str = "none") -> None:
         """`linear_kernels`: "auto" (on a CPU, time the product kernels this machine has at
         start-up and keep the fastest per row count; specdec.linear_kernels), or one kernel
         everywhere: "aten" (F.linear: MKL on a CPU, cuBLAS on a GPU), "onednn" (a CPU's
@@ -120,7 +121,11 @@ class ModelRunner:
         specdec.native's packed_attention: float32 on a CPU), "sdpa" (torch's
         scaled_dot_product_attention per session) or "auto" (native where it can run).
         `fuse_layers`: where both are native (16-bit products, native attention, a plain
-        Llama layer), run each layer as one call of specdec.native's decoder_layer."""
+        Llama layer), run each layer as one call of specdec.native's decoder_layer.
+        `quantize`: "int8" serves the model with int8 weights (specdec.quantize: a draft's
+        option, never a target's, whose law is the output's); "none" as it is."""
+        if quantize not in quantize_modes:
+            raise ValueError(f"quantize must be one of {', '.join(quantize_modes)}, not {quantize!r}")
         self.model = model.eval()
         cfg = model.config
         self.config = cfg
@@ -128,6 +133,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         column_major = self.device.type == "cpu"
         self.kernels = KernelTable()
+        self.quantize = quantize
+        self._int8 = quantize_linears_(model) if quantize == "int8" else None  # before the fused copies
         self.layers = [self._layer(layer, column_major) for layer in model.model.layers]
         if column_major:
             column_major_linears(model)  # o, down and the LM head
@@ -145,7 +152,7 @@ class ModelRunner:
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         output = model.get_output_embeddings()
-        self.head = Product(output.weight, output.bias, self.kernels)
+        self.head = self._product([output], column_major)
         self.vocab_size = output.weight.shape[0]
         self.kernel_timings = self._choose_kernels(linear_kernels)
         self._packed_attention = self._choose_attention(attention)
@@ -164,18 +171,30 @@ class ModelRunner:
         self._decoder_layer = self._choose_fused(fuse_layers)
         self._final_rms_norm = None if self._decoder_layer is None else native.module().rms_norm
         # fixed from here on: the start-up log and every heartbeat's registry entry show it
-        self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}"
+        self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}" + \
+            (f"; weights {quantize}" if quantize != "none" else "")
 
     def _layer(self, layer, column_major: bool) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp
-        qkv = Product(*_fuse([a.q_proj, a.k_proj, a.v_proj], column_major), self.kernels)
-        gate_up = Product(*_fuse([mlp.gate_proj, mlp.up_proj], column_major), self.kernels)
+        qkv = self._product([a.q_proj, a.k_proj, a.v_proj], column_major)
+        gate_up = self._product([mlp.gate_proj, mlp.up_proj], column_major)
         q_norm = a.q_norm.weight if hasattr(a, "q_norm") else None
         k_norm = a.k_norm.weight if hasattr(a, "k_norm") else None
-        return _Layer(layer.input_layernorm.weight, qkv, q_norm, k_norm,
-                      Product(a.o_proj.weight, a.o_proj.bias, self.kernels),
-                      layer.post_attention_layernorm.weight, gate_up,
-                      Product(mlp.down_proj.weight, mlp.down_proj.bias, self.kernels))
+        return _Layer(layer.input_layernorm.weight, qkv, q_norm, k_norm, self._product([a.o_proj], column_major),
+                      layer.post_attention_layernorm.weight, gate_up, self._product([mlp.down_proj], column_major))
+
+    def _product(self, linears: list[torch.nn.Linear], column_major: bool) -> Product:
+        """One product over the linears (fused where several read the same input), with
+        their int8 factors where the model was quantised."""
+        if len(linears) == 1:
+            weight, bias = linears[0].weight, linears[0].bias
+        else:
+            weight, bias = _fuse(linears, column_major)
+        int8 = None
+        if self._int8 is not None:
+            factors = [self._int8[lin] for lin in linears]
+            int8 = (torch.cat([q for q, _ in factors]), torch.cat([s for _, s in factors]))
+        return Product(weight, bias, self.kernels, int8)
 
     def _choose_kernels(self, mode: str) -> dict[int, dict[str, float]]:
         """The kernel of every product by row count (specdec.linear_kernels); on a GPU, or

@@ -19,6 +19,7 @@ from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
 from specdec.models import dtype_name, load_model, pick_device, pick_dtype
 from specdec.mux_server import serve_mux
+from specdec.quantize import resolve as resolve_quantize
 from specdec.registry import Heartbeat, ReplicaInfo, Registry
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     t0 = time.perf_counter()
+    quantize = resolve_quantize(getattr(args, "quantize", "none"), device, dtype)  # a draft's option only
     runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels,
-                         attention=args.attention)
+                         attention=args.attention, quantize=quantize)
     log.info("loaded %s on %s as %s in %.1fs; %s", args.model, device, dtype, time.perf_counter() - t0,
              runner.kernels_summary)
     return runner

@@ -104,6 +104,18 @@ def test_dtype_probe_times_each_shape_in_each_dtype(capsys):
     assert all("float32" in ln and "bfloat16" in ln and "×)" in ln for ln in lines)
 
 
+def test_dtype_probe_compares_a_drafts_16_bit_and_int8_weights(capsys):
+    from benchmarks import dtype_probe
+    from specdec.models import BUNDLED_DRAFT
+
+    assert dtype_probe.main(["--model", str(BUNDLED_DRAFT), "--dtypes", "float32", "--quantize", "none,int8",
+                             "--shapes", "1x1", "--reps", "2", "--context", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "float32 int8: products" in out and out.count("; weights int8") == 1
+    line = next(ln for ln in out.splitlines() if "session(s)" in ln)
+    assert "float32 none" in line and "float32 int8" in line and "×)" in line
+
+
 def test_draw_probe_times_both_arms_and_leaves_the_native_calls_on(capsys):
     from benchmarks import draw_probe
     from specdec import native, sampling
@@ -149,6 +161,7 @@ REFUSALS = [
     ("attention_probe", ["--batches", "x"], "--batches"),
     ("dtype_probe", ["--dtypes", "float8"], "--dtypes"),
     ("dtype_probe", ["--shapes", "4"], "--shapes"),
+    ("dtype_probe", ["--quantize", "int4"], "--quantize"),
     ("stop_rule_probe", ["--thresholds", "0.1,x"], "--thresholds"),
     ("stop_rule_probe", ["--max-gamma", "0"], "--max-gamma"),
     ("draw_probe", ["--reps", "0"], "--reps"),
