@@ -116,6 +116,18 @@ def test_dtype_probe_compares_a_drafts_16_bit_and_int8_weights(capsys):
     assert "float32 none" in line and "float32 int8" in line and "×)" in line
 
 
+def test_quant_probe_reports_both_drafts_on_the_same_windows(capsys):
+    from benchmarks import quant_probe
+
+    assert quant_probe.main(["--windows", "2", "--seq", "32", "--requests", "2", "--seed-bases", "7",
+                             "--max-new-tokens", "8"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| as stored") or ln.startswith("| int8")]
+    assert len(rows) == 4  # teacher-forced, then generated
+    alphas = [float(r.split("|")[2]) for r in rows[:2]]
+    assert all(0.3 < a < 1.0 for a in alphas) and abs(alphas[0] - alphas[1]) < 0.05
+    assert all(0.0 <= float(r.split("|")[2]) <= 1.0 for r in rows[2:])
+
+
 def test_draw_probe_times_both_arms_and_leaves_the_native_calls_on(capsys):
     from benchmarks import draw_probe
     from specdec import native, sampling
@@ -162,6 +174,8 @@ REFUSALS = [
     ("dtype_probe", ["--dtypes", "float8"], "--dtypes"),
     ("dtype_probe", ["--shapes", "4"], "--shapes"),
     ("dtype_probe", ["--quantize", "int4"], "--quantize"),
+    ("quant_probe", ["--windows", "0"], "--windows"),
+    ("quant_probe", ["--seed-bases", "x"], "--seed-bases"),
     ("stop_rule_probe", ["--thresholds", "0.1,x"], "--thresholds"),
     ("stop_rule_probe", ["--max-gamma", "0"], "--max-gamma"),
     ("draw_probe", ["--reps", "0"], "--reps"),
