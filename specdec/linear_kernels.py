@@ -145,6 +145,7 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
         if int8:
             for p in products:
                 p.half = half_weights.pack_int8(*p.int8, panel)
+                p.int8 = None  # packed: a product keeps one int8 copy (the model keeps its factors)
         else:
             for p in products:
                 p.pack_half(half_weights.lossless_dtype(p.weight), panel)
