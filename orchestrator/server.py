@@ -17,7 +17,7 @@ from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
-from specdec.config import add_common_args, env, read_secret, redis_client, setup_logging
+from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of
@@ -326,7 +326,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
     for flag in ("stop_below_greedy", "stop_below_sampled"):
         if not 0 <= getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")

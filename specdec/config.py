@@ -11,6 +11,22 @@ def env(name: str, default=None):
     return os.environ.get("SPECDEC_" + name, default)
 
 
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """`ap.parse_args`, and a flag with choices whose value came from its SPECDEC_ variable
+    checked as argparse checks a command-line value (argparse never checks defaults): a
+    mistyped setting in a manifest is a usage error naming the variable, not a traceback
+    from deep in start-up."""
+    args = ap.parse_args(argv)
+    for action in ap._actions:  # argparse keeps no public list of a parser's flags
+        value = getattr(args, action.dest, None)
+        if action.choices is None or value is None or value in action.choices or value != action.default:
+            continue
+        name = "SPECDEC_" + action.dest.upper()
+        ap.error(f"{name}={value!r} is not a choice of {action.option_strings[0]} "
+                 f"({', '.join(map(str, action.choices))})")
+    return args
+
+
 def read_secret(path: str | None) -> str | None:
     """Secrets come from files (Kubernetes Secrets) and are never logged."""
     if not path:

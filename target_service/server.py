@@ -6,7 +6,7 @@ import asyncio
 
 from draft_service.server import params_from_pb, ref_from_pb
 from specdec import sampling
-from specdec.config import add_common_args, add_replica_args, env
+from specdec.config import add_common_args, add_replica_args, env, parse_args
 from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     runner = build_runner(args)
     engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20, args.verification)
 

@@ -24,7 +24,7 @@ KNOWN_SPECDEC_ENV = {
         "MODEL", "TOKENIZER", "HOST", "PORT", "ADVERTISE_ADDRESS", "POOL", "REDIS_URL",
         "REDIS_PASSWORD_FILE", "DEVICE", "DTYPE", "METRICS_PORT", "MAX_SESSIONS", "DRAIN_SECONDS",
         "THREADS", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "API_TOKEN_FILE",
-        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL",
+        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL", "QUANTIZE",
         "MODELS",  # the model download Job's own list
     )
 }
@@ -286,6 +286,15 @@ def test_cpu_overlay_runs_the_bundled_models_on_cpu(rendered):
         spec = find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]
         assert "nodeSelector" not in spec and "tolerations" not in spec
     assert container_env(objs, main_container(objs, "orchestrator"))["SPECDEC_TOKENIZER"] == "/app/models/target"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_draft_pool_sets_its_quantisation(rendered, overlay):
+    """int8 weights are a draft's option (the target's weights are the output's law): auto on
+    a CPU pool, none on a GPU one, where they would only cost precision."""
+    objs = rendered[overlay]
+    quantize = {c: container_env(objs, main_container(objs, c)).get("SPECDEC_QUANTIZE") for c in POOLS}
+    assert quantize == {"draft": "none" if overlay in GPU_OVERLAYS else "auto", "target": None}
 
 
 # ---- security ----

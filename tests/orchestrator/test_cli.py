@@ -15,3 +15,14 @@ def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
         main(flags)
     assert exit_.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_setting_from_the_environment_is_checked_like_its_flag(monkeypatch, capsys):
+    """argparse checks choices on the command line only; a mistyped SPECDEC_ variable must
+    be a usage error too, naming the variable."""
+    monkeypatch.setenv("SPECDEC_INTERNAL_CALLS", "carrier-pigeon")
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2
+    assert "SPECDEC_INTERNAL_CALLS='carrier-pigeon' is not a choice of --internal-calls (mux, stream, unary)" \
+        in capsys.readouterr().err
