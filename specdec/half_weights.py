@@ -40,6 +40,6 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, panel: int) -> torch.Tensor:
     out, inner = q.shape
     pad = (-out) % panel
     values = F.pad(q, (0, 0, 0, pad)).view(-1, panel, inner).transpose(1, 2)  # [panels, in, panel]
-    scales = F.pad(scale.float(), (0, pad), value=1.0).view(-1, panel).contiguous()
+    scales = F.pad(scale.float(), (0, pad), value=1.0).view(-1, panel)
     scale_rows = scales.view(torch.int8).view(-1, 4, panel)  # the panel's scales' bytes, in order
     return torch.cat([values, scale_rows], dim=1).contiguous()

@@ -133,7 +133,6 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         column_major = self.device.type == "cpu"
         self.kernels = KernelTable()
-        self.quantize = quantize
         self._int8 = quantize_linears_(model) if quantize == "int8" else None  # before the fused copies
         self.layers = [self._layer(layer, column_major) for layer in model.model.layers]
         if column_major:

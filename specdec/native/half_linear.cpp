@@ -102,22 +102,7 @@ void block(const float* x, int64_t in, const void* w, const float* scale, float*
   }
 }
 
-template <Kind K>
-void panel(const float* x, int64_t rows, int64_t in, const void* w, const float* scale, float* y, int64_t ldy,
-           int64_t cols) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) block<K, kRows>(x + r * in, in, w, scale, y + r * ldy, ldy, cols);
-  const float* xr = x + r * in;
-  float* yr = y + r * ldy;
-  switch (rows - r) {
-    case 1: block<K, 1>(xr, in, w, scale, yr, ldy, cols); break;
-    case 2: block<K, 2>(xr, in, w, scale, yr, ldy, cols); break;
-    case 3: block<K, 3>(xr, in, w, scale, yr, ldy, cols); break;
-    case 4: block<K, 4>(xr, in, w, scale, yr, ldy, cols); break;
-    case 5: block<K, 5>(xr, in, w, scale, yr, ldy, cols); break;
-    default: break;
-  }
-}
+#include "panel_rows.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -168,22 +153,7 @@ void block(const float* x, int64_t in, const void* w, const float* scale, float*
   }
 }
 
-template <Kind K>
-void panel(const float* x, int64_t rows, int64_t in, const void* w, const float* scale, float* y, int64_t ldy,
-           int64_t cols) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) block<K, kRows>(x + r * in, in, w, scale, y + r * ldy, ldy, cols);
-  const float* xr = x + r * in;
-  float* yr = y + r * ldy;
-  switch (rows - r) {
-    case 1: block<K, 1>(xr, in, w, scale, yr, ldy, cols); break;
-    case 2: block<K, 2>(xr, in, w, scale, yr, ldy, cols); break;
-    case 3: block<K, 3>(xr, in, w, scale, yr, ldy, cols); break;
-    case 4: block<K, 4>(xr, in, w, scale, yr, ldy, cols); break;
-    case 5: block<K, 5>(xr, in, w, scale, yr, ldy, cols); break;
-    default: break;
-  }
-}
+#include "panel_rows.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
