@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "in every system, in process and in the stack's replicas")
     ap.add_argument("--draft-dtype", choices=DTYPE_NAMES, help="the draft's dtype, likewise (default: --dtype)")
     ap.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, default="auto",
-                    help="the draft's weights in every system, as the draft replica's --quantize (auto: int8 for "
+                    help="the draft's weights in every system, as the draft replica's --quantize (auto: w8a8 or int8 for "
                          "a float32 draft on a CPU with the native kernels, else none; default auto)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads per replica (default 1)")

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the runners' attention to compare, of auto, native, sdpa (default auto)")
     ap.add_argument("--fuse", default="on", help="fused native layers: on, off, or on,off to compare (default on)")
     ap.add_argument("--quantize", default="none",
-                    help="the weights: none, int8, or none,int8 to compare (a draft's option; default none)")
+                    help="the weights: none, int8, w8a8, or a list such as none,int8,w8a8 to compare "
+                         "(a draft's option; default none)")
     ap.add_argument("--shapes", default="1x1,1x5,6x5,16x5",
                     help="SESSIONSxTOKENS forwards to time (default 1x1,1x5,6x5,16x5)")
     ap.add_argument("--context", type=int, default=150, help="cached positions per session (default 150)")

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: the bundled target)")
     ap.add_argument("--device", default="auto", help="auto|cpu|cuda")
     ap.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, default="auto",
-                    help="the draft's weights in every system, as a draft replica's --quantize (auto: int8 for a "
+                    help="the draft's weights in every system, as a draft replica's --quantize (auto: w8a8 or int8 for a "
                          "float32 draft on a CPU with the native kernels, else none; default auto)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--cost-reps", type=int, default=10, help="repetitions per timed forward (default 10)")

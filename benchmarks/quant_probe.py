@@ -2,9 +2,10 @@
 
 The teacher-forced held-out α at temperature 1 (the mean over positions of Σ min(p, q), the
 chance a drafted token is accepted), the greedy agreement (the draft's argmax is the
-target's) and the draft's loss, for the draft as it is and quantised to int8
-(specdec.quantize, what a draft replica's `--quantize int8` serves), on the same held-out
-windows of the training corpus. Then α on generated text: the in-process speculative loop
+target's) and the draft's loss, for the draft as it is, quantised to int8 and to w8a8
+(specdec.quantize, what a draft replica's `--quantize int8` and `w8a8` serve; w8a8 emulated
+in torch, every product's input rows rounded to int8 as the kernel rounds a decode step's),
+on the same held-out windows of the training corpus. Then α on generated text: the in-process speculative loop
 at temperature 1 (γ = 4) over held-out prompts, once per seed base for each draft. Texts
 sampled by a speculative run move with the draft's proposals, so that α varies from seed
 base to seed base (by 0.02–0.03 over 32 requests here) where the teacher-forced one does
@@ -18,7 +19,8 @@ import copy
 import torch
 
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET
-from specdec.quantize import quantize_linears_
+from specdec import native
+from specdec.quantize import quantize_linears_, round_linear_inputs_
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = argparse.Namespace(precision="fp32")
     int8 = copy.deepcopy(draft)
     quantize_linears_(int8)
+    w8a8 = round_linear_inputs_(copy.deepcopy(int8))
     print(f"teacher-forced on {args.windows} held-out windows of {args.seq} tokens ({args.draft} against {args.target})")
     print("| draft weights | held-out α (t = 1) | greedy agreement | draft loss |\n|---|---|---|---|")
-    for name, model in (("as stored", draft), ("int8", int8)):
+    for name, model in (("as stored", draft), ("int8", int8), ("w8a8", w8a8)):
         m = heldout_agreement(target, model, held, fp32)
         print(f"| {name} | {m['alpha_t1']:.4f} | {m['greedy_agreement']:.4f} | {m['draft_loss']:.4f} |")
     if args.requests:
@@ -74,7 +77,12 @@ def generated(args, tok, draft, target, seed_bases: list[int]) -> None:
     print(f"\ngenerated: temperature 1, γ = 4, {args.requests} held-out prompts × {args.max_new_tokens} tokens "
           "per seed base\n| draft weights | " + " | ".join(f"α (seeds {b}+)" for b in seed_bases) + " | mean |")
     print("|---" * (len(seed_bases) + 2) + "|")
-    for name, quantize in (("as stored", "none"), ("int8", "int8")):
+    modes = [("as stored", "none"), ("int8", "int8")]
+    if native.module() is not None and native.module().has_int8_dot():
+        modes.append(("w8a8", "w8a8"))
+    else:
+        print("(no w8a8 row: this CPU has no 8-bit dot products)")
+    for name, quantize in modes:
         engines = build_engines(copy.deepcopy(draft), target, quantize)
         alphas = [run_spec_loop(*engines, make_requests(prompts, args.requests, base), "t1", args.max_new_tokens,
                                 tok.eos_token_id, 4).alpha for base in seed_bases]

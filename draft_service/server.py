@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_replica_args(ap, "draft", str(BUNDLED_DRAFT))
     ap.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=env("QUANTIZE", "auto"),
                     help="the draft's weights: int8 (half the bytes a step streams on a CPU; only the "
-                         "proposals change, never the output law), none, or auto (int8 for a float32 model "
-                         "on a CPU with the native kernels, else none) [SPECDEC_QUANTIZE]")
+                         "proposals change, never the output law), w8a8 (int8 weights and activations, by 8-bit "
+                         "dot products: AVX-512 VNNI), none, or auto (w8a8 where the CPU has VNNI, else int8, for "
+                         "a float32 model on a CPU with the native kernels; else none) [SPECDEC_QUANTIZE]")
     return ap
 
 

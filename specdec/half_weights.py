@@ -43,3 +43,22 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, panel: int) -> torch.Tensor:
     scales = F.pad(scale.float(), (0, pad), value=1.0).view(-1, panel)
     scale_rows = scales.view(torch.int8).view(-1, 4, panel)  # the panel's scales' bytes, in order
     return torch.cat([values, scale_rows], dim=1).contiguous()
+
+
+DOT_PANEL = 64  # the dot-product kernel's panel width (specdec/native/int8_dot.cpp)
+
+
+def pack_int8_dot(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] values and float32 [out] scales → uint8 [panels, in4 + 8, 64], the layout
+    of specdec/native/int8_dot.cpp: per panel, four consecutive inputs of a column in each
+    int32 lane (in4 = in rounded up to 4, zero-padded), then 128 · each column's sum as int32
+    (the correction for the activations' + 128), then the columns' scales as float32."""
+    out, inner = q.shape
+    in4 = -(-inner // 4) * 4
+    qp = F.pad(q, (0, in4 - inner, 0, (-out) % DOT_PANEL))  # [padded out, in4]
+    panels = qp.shape[0] // DOT_PANEL
+    values = qp.view(panels, DOT_PANEL, in4 // 4, 4).permute(0, 2, 1, 3).reshape(panels, in4, DOT_PANEL)
+    csum = (qp.sum(dim=1, dtype=torch.int32) * 128).view(panels, DOT_PANEL)
+    scales = F.pad(scale.float(), (0, qp.shape[0] - out), value=1.0).view(panels, DOT_PANEL)
+    tail = [t.contiguous().view(torch.int8).view(panels, 4, DOT_PANEL) for t in (csum, scales)]
+    return torch.cat([values] + tail, dim=1).contiguous().view(torch.uint8)

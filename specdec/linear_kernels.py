@@ -115,12 +115,13 @@ class Product:
 
 
 def prepare(products: list[Product], table: KernelTable, mode: str, device: torch.device,
-            dtype: torch.dtype) -> dict[int, dict[str, float]]:
+            dtype: torch.dtype, int8_dot: bool = False) -> dict[int, dict[str, float]]:
     """Give the products the copies their kernels need and fill `table` for `mode`: one
     kernel everywhere, or under "auto" the fastest of those this machine has, per range
     (`calibrate`). Copies no range uses are dropped. Returns the timings (empty unless
     timed). Where every product carries int8 factors (a quantised draft), the compact kernel
-    ("half") streams those instead of 16-bit values."""
+    ("half") streams those instead of 16-bit values, laid out for 8-bit dot products with
+    int8 activations where `int8_dot` (specdec.quantize's "w8a8")."""
     if mode not in MODES:
         raise ValueError(f"linear kernels must be one of {', '.join(MODES)}, not {mode!r}")
     int8 = bool(products) and all(p.int8 is not None for p in products)
@@ -144,7 +145,7 @@ def prepare(products: list[Product], table: KernelTable, mode: str, device: torc
         panel = native.module().panel_width()
         if int8:
             for p in products:
-                p.half = half_weights.pack_int8(*p.int8, panel)
+                p.half = half_weights.pack_int8_dot(*p.int8) if int8_dot else half_weights.pack_int8(*p.int8, panel)
                 p.int8 = None  # packed: a product keeps one int8 copy (the model keeps its factors)
         else:
             for p in products:

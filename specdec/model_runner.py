@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from specdec import native
 from specdec.kv_cache import KVCache
 from specdec.linear_kernels import KERNELS, KernelTable, Product, prepare
-from specdec.quantize import MODES as quantize_modes, quantize_linears_
+from specdec.quantize import MODES as quantize_modes, quantize_linears_, w8a8_unavailable
 
 
 HALF = KERNELS.index("half")
@@ -123,7 +123,9 @@ class ModelRunner:
         `fuse_layers`: where both are native (16-bit products, native attention, a plain
         Llama layer), run each layer as one call of specdec.native's decoder_layer.
         `quantize`: "int8" serves the model with int8 weights (specdec.quantize: a draft's
-        option, never a target's, whose law is the output's); "none" as it is."""
+        option, never a target's, whose law is the output's); "w8a8" the same weights with
+        the compact kernel's rows rounded to int8 too (8-bit dot products: a CPU with AVX-512
+        VNNI); "none" as it is."""
         if quantize not in quantize_modes:
             raise ValueError(f"quantize must be one of {', '.join(quantize_modes)}, not {quantize!r}")
         self.model = model.eval()
@@ -131,9 +133,12 @@ class ModelRunner:
         self.config = cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if quantize == "w8a8" and (why := w8a8_unavailable(self.device, self.dtype)) is not None:
+            raise ValueError(f"w8a8 cannot serve this model: {why}")
         column_major = self.device.type == "cpu"
         self.kernels = KernelTable()
-        self._int8 = quantize_linears_(model) if quantize == "int8" else None  # before the fused copies
+        self._quantize = quantize
+        self._int8 = quantize_linears_(model) if quantize != "none" else None  # before the fused copies
         self.layers = [self._layer(layer, column_major) for layer in model.model.layers]
         if column_major:
             column_major_linears(model)  # o, down and the LM head
@@ -199,7 +204,7 @@ class ModelRunner:
         """The kernel of every product by row count (specdec.linear_kernels); on a GPU, or
         where no other kernel can take the weights, every product is F.linear."""
         products = [p for layer in self.layers for p in layer.products()] + [self.head]
-        return prepare(products, self.kernels, mode, self.device, self.dtype)
+        return prepare(products, self.kernels, mode, self.device, self.dtype, int8_dot=self._quantize == "w8a8")
 
     def _choose_attention(self, mode: str):
         """specdec.native's packed_attention, or None for torch's SDPA per session."""

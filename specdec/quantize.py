@@ -7,6 +7,12 @@ the proposals: the target accepts or corrects every drafted token against the di
 the draft actually drew it from, so the output law stays the target's exactly, and a weaker
 draft only lowers α. The target is never quantised here, since its law is the output's.
 
+"w8a8" serves the same int8 weights and, in the compact kernel (a decode step's and a
+verification's few rows), also rounds each row of a product's input to 8 bits with one
+scale per row, so that the product runs as exact integer dot products (AVX-512 VNNI:
+specdec/native/int8_dot.cpp): at one row the LM head's product took 15 µs against 40 µs
+widening int8 weights. `quantize_activations` is that rounding in torch.
+
 Each output row of a weight gets one scale (symmetric, the row's largest magnitude ↦ 127),
 and the served model is those int8 values times their scales: the runner writes the
 dequantised values back into the model's weights, in place, so that every kernel (aten,
@@ -17,22 +23,41 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("none", "int8")
+MODES = ("none", "int8", "w8a8")
 CHOICES = ("auto",) + MODES  # a draft replica's --quantize
 
 
 def resolve(mode: str, device: torch.device, dtype: torch.dtype) -> str:
-    """A draft's --quantize → "int8" or "none". "auto" is int8 where it pays and costs
-    nothing measurable: a float32 model on a CPU whose native kernels built (the int8
-    panels halve the bytes a step streams; on the bundled draft the held-out α was the
-    same, 0.7237 both). On a GPU the weights would only lose precision: none."""
+    """A draft's --quantize → "w8a8", "int8" or "none". "auto" quantises where it pays and
+    costs nothing measurable, on a float32 model on a CPU whose native kernels built: "w8a8"
+    (int8 weights and, in the compact kernel, int8 activations too, multiplied by the CPU's
+    8-bit dot products) where the CPU has them (AVX-512 VNNI), else "int8" (weights only,
+    widened in the kernel: half the bytes a step streams). On the bundled draft the held-out
+    α was the same for all three (0.7237, 0.7237, 0.7236). On a GPU the weights would only
+    lose precision: none."""
     if mode not in CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(CHOICES)}, not {mode!r}")
     if mode != "auto":
         return mode
     from specdec import native
 
-    return "int8" if device.type == "cpu" and dtype == torch.float32 and native.module() is not None else "none"
+    if device.type != "cpu" or dtype != torch.float32 or native.module() is None:
+        return "none"
+    return "w8a8" if native.module().has_int8_dot() else "int8"
+
+
+def w8a8_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why "w8a8" cannot be served here, or None: its products are specdec.native's 8-bit dot
+    products, float32 on a CPU with AVX-512 VNNI (elsewhere their plain loop would be slow)."""
+    from specdec import native
+
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"it serves float32 models on a CPU, not {device.type} {dtype}"
+    if native.module() is None:
+        return f"the native kernels did not build: {native.unavailable_reason()}"
+    if not native.module().has_int8_dot():
+        return f"this CPU has no 8-bit dot products (AVX-512 VNNI; instruction set in use: {native.module().isa()})"
+    return None
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,3 +92,22 @@ def quantize_linears_(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[tor
                 factors[module] = (q, scale)
     model._specdec_int8 = factors
     return factors
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the "w8a8" kernel makes of a product's input, in torch (its reference, and the
+    emulation a probe runs through Hugging Face's forward): each row rounded to 8 bits,
+    symmetric, with one scale per row (a row of zeros keeps scale 1)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.clamp(torch.round(x / s), -127, 127) * s
+
+
+def round_linear_inputs_(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every nn.Linear's input rounded as the w8a8 kernel rounds its rows (a
+    forward pre-hook each): with `quantize_linears_` first, torch's emulation of the model a
+    w8a8 runner serves at a decode step, for a probe or a test to run anywhere."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0]),) + tuple(args[1:]))
+    return model

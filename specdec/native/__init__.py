@@ -1,7 +1,9 @@
 """specdec's CPU kernels in C++ (this folder), compiled on first use with the machine's
 compiler through torch's cpp_extension (about 40 s, then cached) or loaded prebuilt:
 
-- `half_linear`: matrix products over weights held in 16 bits (specdec.half_weights);
+- `half_linear`: matrix products over weights held in 16 bits (specdec.half_weights), or
+  int8 ones (a quantised draft), and `int8_dot_linear`: int8 weights times int8-rounded
+  rows by the CPU's 8-bit dot products (specdec.quantize's w8a8);
 - `packed_attention`: one call per layer for every session's causal attention
   (specdec.model_runner);
 - `decoder_layer`: a whole Llama layer over those two, in one call, and `rms_norm`, the

@@ -6,6 +6,8 @@
 
 torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
 int64_t panel_width();
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
+bool has_int8_dot();
 torch::Tensor packed_attention(torch::Tensor qkv, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> caches,
                                std::vector<int64_t> starts, std::vector<int64_t> lengths, int64_t layer, double scale);
 
@@ -58,6 +60,8 @@ std::string set_isa(const std::string& name) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_linear", &half_linear, "x · Wᵀ (+ bias) over a 16-bit weight packed in panels");
+  m.def("int8_dot_linear", &int8_dot_linear, "x · Wᵀ (+ bias) with int8 weights and per-row int8 activations");
+  m.def("has_int8_dot", &has_int8_dot, "whether int8_dot_linear runs on 8-bit dot products (AVX-512 VNNI) here");
   m.def("panel_width", &panel_width, "the panel width half_linear wants on the instruction set in use");
   m.def("packed_attention", &packed_attention, "causal attention of many sessions' new rows against their caches");
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer over 16-bit weights and the packed attention");

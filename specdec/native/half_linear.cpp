@@ -167,6 +167,8 @@ void run_panel(specdec::Isa isa, const float* x, int64_t rows, int64_t in, const
 
 }  // namespace
 
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
+
 // The panel width this CPU's kernel wants: the weight is packed for it.
 int64_t panel_width() {
   const specdec::Isa isa = specdec::current_isa();
@@ -174,9 +176,11 @@ int64_t panel_width() {
 }
 
 // x [N, in] float32; packed [panels, in, P] float16 or bfloat16, or int8 [panels, in + 4, P]
-// whose last four rows of each panel hold its P columns' float32 scales (specdec.half_weights);
-// out = the true column count
+// whose last four rows of each panel hold its P columns' float32 scales (specdec.half_weights),
+// or uint8 for int8_dot.cpp's layout; out = the true column count
 torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias) {
+  // uint8 panels: int8 weights laid out for 8-bit dot products with int8 activations
+  if (packed.scalar_type() == torch::kByte) return int8_dot_linear(x, packed, out, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "half_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "half_linear: the weight must be packed [panels, in, P]");
   const auto dtype = packed.scalar_type();

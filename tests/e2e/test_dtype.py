@@ -37,7 +37,7 @@ def bf16_stack(bundled_paths):
 @pytest.fixture(scope="module")
 def bf16_engines(bundled_paths):
     cpu = torch.device("cpu")
-    quantize = resolve("auto", cpu, torch.float32)  # the draft replica's default, int8 here
+    quantize = resolve("auto", cpu, torch.float32)  # the draft replica's default: w8a8 or int8 here
     return (DraftEngine(ModelRunner(load_model(bundled_paths[0], cpu, torch.float32), quantize=quantize)),
             TargetEngine(ModelRunner(load_model(bundled_paths[1], cpu, torch.bfloat16))))
 
@@ -52,7 +52,8 @@ def test_each_replica_reports_the_dtype_it_serves(bf16_stack):
     # the float16 checkpoint served in float32: 16-bit products (fastest at every row count
     # here) and the native attention; in bfloat16 neither applies, so MKL/oneDNN and SDPA
     assert kernels["draft"].startswith("products ") and "half" in kernels["draft"]
-    assert kernels["draft"].endswith("; attention native; weights int8")  # --quantize auto, in float32
+    auto = resolve("auto", torch.device("cpu"), torch.float32)  # w8a8 where the CPU has VNNI, else int8
+    assert kernels["draft"].endswith(f"; attention native; weights {auto}")  # --quantize auto, in float32
     assert "half" not in kernels["target"] and kernels["target"].endswith("; attention sdpa")
 
 
