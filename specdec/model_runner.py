@@ -24,7 +24,10 @@ a batch would need the caches in one tensor, padded to the longest and gathered 
 which costs about what the saved calls do (`python -m benchmarks.attention_probe`,
 benchmarks/HISTORY.md, "One attention call per batch").
 Where products and attention are both native and the layer is plain Llama, each layer is
-one call of specdec/native/decoder_layer.cpp.
+one call of specdec/native/decoder_layer.cpp, and a forward whose rows all take the compact
+products is one call of specdec/native/packed_model.cpp (embedding, layers, final norm and
+head: the same kernels in the same order, so the same bits, without about 20 µs of Python
+a step between them).
 """
 from __future__ import annotations
 
@@ -174,6 +177,7 @@ class ModelRunner:
         self._band = self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
         self._decoder_layer = self._choose_fused(fuse_layers)
         self._final_rms_norm = None if self._decoder_layer is None else native.module().rms_norm
+        self._whole = self._whole_model()
         # fixed from here on: the start-up log and every heartbeat's registry entry show it
         self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}" + \
             (f"; weights {quantize}" if quantize != "none" else "")
@@ -231,6 +235,19 @@ class ModelRunner:
             return None
         return native.module().decoder_layer
 
+    def _whole_model(self):
+        """specdec.native's PackedModel over the fused layers, the tables and the head (the
+        runner's own tensors): a forward whose tokens and logits rows both take the compact
+        products is then one native call. None where the layers are not fused, the rotary
+        table is not static or the head is not plain."""
+        if self._decoder_layer is None or self.cos_table is None or self.head.half is None or self.head.bias is not None:
+            return None
+        layers = [[la.norm1, la.qkv.half, la.o.half, la.norm2, la.gate_up.half, la.down.half] for la in self.layers]
+        return native.module().PackedModel(
+            self.embed, self.cos_table.contiguous(), self.sin_table.contiguous(), layers,
+            [la.qkv.weight.shape[0] for la in self.layers], [la.gate_up.weight.shape[0] for la in self.layers],
+            self.final_norm, self.head.half, self.vocab_size, self.num_heads, self.kv_heads, self.scaling, self.eps)
+
     @property
     def fused(self) -> bool:
         """Whether forwards whose rows take the 16-bit products run fused layers."""
@@ -276,6 +293,14 @@ class ModelRunner:
         lengths = [int(it.tokens.shape[0]) for it in items]
         for it, s, n in zip(items, starts, lengths):
             it.cache.reserve(s + n)
+        if self._whole is not None:
+            rows = [it.logits_rows for it in items]
+            if self.kernels.kernel(sum(lengths)) == HALF and self.kernels.kernel(sum(rows)) == HALF:
+                ids = items[0].tokens if len(items) == 1 else torch.cat([it.tokens for it in items])
+                logits = self._whole.forward(ids, [it.cache.kv for it in items], starts, lengths, rows)
+                for it, s, n in zip(items, starts, lengths):
+                    it.cache.length = s + n
+                return logits
         if len(items) == 1:
             ids = items[0].tokens.to(self.device)
             positions = slice(starts[0], starts[0] + lengths[0])

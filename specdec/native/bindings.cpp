@@ -17,6 +17,7 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
                             std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
                             int64_t layer, double scale, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void bind_packed_model(pybind11::module& m);
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
 
 namespace specdec {
@@ -67,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer over 16-bit weights and the packed attention");
   m.def("rms_norm", &rms_norm, "x / rms(x) · weight per row, as the decoder layer normalises");
   m.def("sample_rows", &sample_rows, "inverse-CDF draws of rows of probabilities, as specdec.sampling.sample_from");
+  bind_packed_model(m);
   m.def("isa", [] { return specdec::isa_name(specdec::current_isa()); }, "the instruction set in use");
   m.def("best_isa", [] { return specdec::isa_name(specdec::detected_isa()); }, "the best instruction set of this CPU");
   m.def("set_isa", &set_isa, "use another instruction set this CPU has (tests); returns the one before");

@@ -48,3 +48,38 @@ def test_only_plain_layers_over_native_kernels_are_fused(target_model, draft_mod
     ids = torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(2))
     assert torch.allclose(runner.forward([ForwardItem(runner.new_cache(), ids, 12)])[0],
                           reference_logits(biased, ids), atol=1e-4)
+
+
+def test_a_whole_forward_in_one_call_is_the_fused_layers_bit_for_bit(draft_model, target_model, isa):
+    """specdec.native's PackedModel (embedding, layers, final norm and head in one call) runs
+    the very kernels the per-layer path runs, in the same order: the same bits."""
+    for model, quantize in ((target_model, "none"), (draft_model, "int8")):
+        whole = ModelRunner(copy.deepcopy(model), linear_kernels="half", quantize=quantize)
+        layered = ModelRunner(copy.deepcopy(model), linear_kernels="half", quantize=quantize)
+        layered._whole = None
+        assert whole._whole is not None and whole.fused
+        gen = torch.Generator().manual_seed(5)
+        cw, cl = [whole.new_cache() for _ in range(3)], [layered.new_cache() for _ in range(3)]
+        for lengths, rows in (((33, 70, 4), (1, 70, 2)), ((1, 5, 1), (1, 5, 1)), ((3, 1, 2), (2, 1, 1))):
+            chunks = [torch.randint(0, 4096, (n,), generator=gen) for n in lengths]
+            out_w = whole.forward([ForwardItem(c, t, r) for c, t, r in zip(cw, chunks, rows)])
+            out_l = layered.forward([ForwardItem(c, t, r) for c, t, r in zip(cl, chunks, rows)])
+            assert [o.shape[0] for o in out_w] == list(rows)
+            assert all(torch.equal(a, b) for a, b in zip(out_w, out_l)), (quantize, lengths)
+        assert all(a.length == b.length and torch.equal(a.kv[:, :, : a.length], b.kv[:, :, : b.length])
+                   for a, b in zip(cw, cl))
+
+
+def test_a_whole_forward_checks_its_arguments(draft_model):
+    runner = ModelRunner(copy.deepcopy(draft_model), linear_kernels="half")
+    cache = runner.new_cache()
+    cache.reserve(8)
+    whole = runner._whole
+    with pytest.raises(RuntimeError, match="3 ids for 4 tokens"):
+        whole.forward(torch.tensor([1, 2, 3]), [cache.kv], [0], [4], [1])
+    with pytest.raises(RuntimeError, match="wants logits for 1 .. its tokens"):
+        whole.forward(torch.tensor([1, 2]), [cache.kv], [0], [2], [3])
+    with pytest.raises(RuntimeError, match="exceed the rotary table"):
+        whole.forward(torch.tensor([1]), [cache.kv], [runner.max_length], [1], [1])
+    with pytest.raises(RuntimeError, match="ids must be 1-D int64"):
+        whole.forward(torch.tensor([1.0]), [cache.kv], [0], [1], [1])
