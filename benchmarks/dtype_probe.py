@@ -16,8 +16,9 @@ and each dtype's ratio to the first.
 kernels it picks at start-up (specdec.linear_kernels), and `--attention sdpa,native`
 torch's attention per session with specdec.native's one call per layer: every (dtype,
 kernels, attention) combination is a runner of its own, the first the reference.
-`--model models/draft --quantize none,int8` compares a draft's 16-bit weights with its int8
-ones (specdec.quantize; a draft replica's `--quantize`).
+`--model models/draft --quantize none,int8,w8a8` compares a draft's 16-bit weights with its
+int8 ones and with int8 weights and activations (specdec.quantize; a draft replica's
+`--quantize`), and `--fuse on,layers,off` the native fusions.
 
 The dtype changes the numbers the target computes, so it is a choice of the model served,
 made for every replica at start (`--dtype` of the replicas), never per batch: the output is
@@ -83,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the runners' linear kernels to compare, of auto, aten, onednn (default auto)")
     ap.add_argument("--attention", default="auto",
                     help="the runners' attention to compare, of auto, native, sdpa (default auto)")
-    ap.add_argument("--fuse", default="on", help="fused native layers: on, off, or on,off to compare (default on)")
+    ap.add_argument("--fuse", default="on",
+                    help="native fusion: on (each layer one call, and a whole forward one call where it can), "
+                         "layers (each layer one call only), off, or a list such as on,layers,off to compare "
+                         "(default on)")
     ap.add_argument("--quantize", default="none",
                     help="the weights: none, int8, w8a8, or a list such as none,int8,w8a8 to compare "
                          "(a draft's option; default none)")
@@ -108,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if not attention or set(attention) - {"auto", "native", "sdpa"}:
         raise SystemExit(f"--attention takes names of auto, native, sdpa, got {args.attention!r}")
     fuse = [f.strip() for f in args.fuse.split(",") if f.strip()]
-    if not fuse or set(fuse) - {"on", "off"}:
-        raise SystemExit(f"--fuse takes on, off or both, got {args.fuse!r}")
+    if not fuse or set(fuse) - {"on", "layers", "off"}:
+        raise SystemExit(f"--fuse takes on, layers, off or a list of them, got {args.fuse!r}")
     quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if not quantize or set(quantize) - set(QUANTIZE_MODES):
         raise SystemExit(f"--quantize takes names of {', '.join(QUANTIZE_MODES)}, got {args.quantize!r}")
@@ -131,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     runners = {}
     for name, (dtype, kernel, att, f, q) in variants.items():
         runners[name] = ModelRunner(load_model(args.model, device, DTYPES[dtype]), linear_kernels=kernel, attention=att,
-                                    fuse_layers=f == "on", quantize=q)
+                                    fuse_layers=f != "off", quantize=q, whole_forward=f == "on")
         r = runners[name]
-        print(f"{name}: {r.kernels_summary}; fused layers {'on' if r.fused else 'off'}")
+        print(f"{name}: {r.kernels_summary}; fused layers {'on' if r.fused else 'off'}"
+              + ("; whole forward in one call" if r.whole else ""))
     cases = {(n, s): Shape(runners[n], *s, args.context) for n in names for s in shapes}
     times: dict[tuple, list[float]] = {k: [] for k in cases}
     for case in cases.values():  # one untimed forward each: first-call allocations
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           f"caches of about {args.context} positions)")
     for s in shapes:
         ref = statistics.median(times[(names[0], s)])
-        cells = [f"{n} {statistics.median(times[(n, s)]):.2f} ms" + ("" if n == names[0] else
+        cells = [f"{n} {statistics.median(times[(n, s)]):.3f} ms" + ("" if n == names[0] else
                  f" ({statistics.median(times[(n, s)]) / ref:.2f}×)") for n in names]
         print(f"{s[0]:>3} session(s) × {s[1]} token(s): " + ", ".join(cells))
     return 0

@@ -115,7 +115,7 @@ class ModelRunner:
     BAND = 64  # chunks up to this many tokens take their causal mask from a table
 
     def __init__(self, model: torch.nn.Module, linear_kernels: str = "auto", attention: str = "auto",
-                 fuse_layers: bool = True, quantize: str = "none") -> None:
+                 fuse_layers: bool = True, quantize: str = "none", whole_forward: bool = True) -> None:
         """`linear_kernels`: "auto" (on a CPU, time the product kernels this machine has at
         start-up and keep the fastest per row count; specdec.linear_kernels), or one kernel
         everywhere: "aten" (F.linear: MKL on a CPU, cuBLAS on a GPU), "onednn" (a CPU's
@@ -124,7 +124,9 @@ class ModelRunner:
         specdec.native's packed_attention: float32 on a CPU), "sdpa" (torch's
         scaled_dot_product_attention per session) or "auto" (native where it can run).
         `fuse_layers`: where both are native (16-bit products, native attention, a plain
-        Llama layer), run each layer as one call of specdec.native's decoder_layer.
+        Llama layer), run each layer as one call of specdec.native's decoder_layer, and
+        with `whole_forward` a forward whose rows all take those products as one call of
+        its PackedModel (the same bits; off only to measure what it saves).
         `quantize`: "int8" serves the model with int8 weights (specdec.quantize: a draft's
         option, never a target's, whose law is the output's); "w8a8" the same weights with
         the compact kernel's rows rounded to int8 too (8-bit dot products: a CPU with AVX-512
@@ -177,7 +179,7 @@ class ModelRunner:
         self._band = self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
         self._decoder_layer = self._choose_fused(fuse_layers)
         self._final_rms_norm = None if self._decoder_layer is None else native.module().rms_norm
-        self._whole = self._whole_model()
+        self._whole = self._whole_model() if whole_forward else None
         # fixed from here on: the start-up log and every heartbeat's registry entry show it
         self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}" + \
             (f"; weights {quantize}" if quantize != "none" else "")
@@ -247,6 +249,11 @@ class ModelRunner:
             self.embed, self.cos_table.contiguous(), self.sin_table.contiguous(), layers,
             [la.qkv.weight.shape[0] for la in self.layers], [la.gate_up.weight.shape[0] for la in self.layers],
             self.final_norm, self.head.half, self.vocab_size, self.num_heads, self.kv_heads, self.scaling, self.eps)
+
+    @property
+    def whole(self) -> bool:
+        """Whether forwards whose rows all take the compact products are one native call."""
+        return self._whole is not None
 
     @property
     def fused(self) -> bool:

@@ -55,9 +55,8 @@ def test_a_whole_forward_in_one_call_is_the_fused_layers_bit_for_bit(draft_model
     the very kernels the per-layer path runs, in the same order: the same bits."""
     for model, quantize in ((target_model, "none"), (draft_model, "int8")):
         whole = ModelRunner(copy.deepcopy(model), linear_kernels="half", quantize=quantize)
-        layered = ModelRunner(copy.deepcopy(model), linear_kernels="half", quantize=quantize)
-        layered._whole = None
-        assert whole._whole is not None and whole.fused
+        layered = ModelRunner(copy.deepcopy(model), linear_kernels="half", quantize=quantize, whole_forward=False)
+        assert whole.whole and whole.fused and not layered.whole and layered.fused
         gen = torch.Generator().manual_seed(5)
         cw, cl = [whole.new_cache() for _ in range(3)], [layered.new_cache() for _ in range(3)]
         for lengths, rows in (((33, 70, 4), (1, 70, 2)), ((1, 5, 1), (1, 5, 1)), ((3, 1, 2), (2, 1, 1))):
