@@ -112,6 +112,7 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
 
 
 STACK_GAMMA = {"d": 4, "e": None, "f": 0}  # the γ of each distributed system of the bench (None: adaptive)
+STACK_GAMMA.update({str(g): g for g in range(1, 9)})  # a digit: (d) at that fixed γ
 
 
 async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_stream: int, max_new: int,
@@ -155,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mode:streams pairs, comma-separated (default greedy:16,t1:4,greedy:1)")
     ap.add_argument("--systems", default="fe",
                     help="which distributed systems to run per configuration, in order: d (fixed γ = 4), "
-                         "e (adaptive γ with overlap), f (target only); default fe")
+                         "e (adaptive γ with overlap), f (target only), or a digit 1-8 ((d) at that fixed γ); "
+                         "default fe")
     ap.add_argument("--orchestrator-args", default="",
                     help="extra flags for the orchestrator, e.g. '--internal-calls stream'")
     add_workload_args(ap, warm_up=5.0)
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configs = parse_configs(args.configs)
     if not args.systems or set(args.systems) - set(STACK_GAMMA):
-        raise SystemExit(f"--systems takes letters of {''.join(STACK_GAMMA)}, got {args.systems!r}")
+        raise SystemExit(f"--systems takes letters of def and digits 1-8, got {args.systems!r}")
     if min(args.prompts, args.per_stream, args.max_new_tokens) < 1:
         raise SystemExit("--prompts, --per-stream and --max-new-tokens must be at least 1")
     from training.corpus import heldout_prompts

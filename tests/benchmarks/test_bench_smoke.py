@@ -53,9 +53,10 @@ def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     from benchmarks import stack_probe
 
     assert stack_probe.main(["--configs", "greedy:2", "--prompts", "2", "--per-stream", "1",
-                             "--max-new-tokens", "6", "--warm-up", "0", "--systems", "fed"]) == 0
+                             "--max-new-tokens", "6", "--warm-up", "0", "--systems", "fed1"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("greedy 2 streams")]
-    assert [ln.split()[3] for ln in lines] == ["(f)", "(e)", "(d)"]
+    assert [ln.split()[3] for ln in lines] == ["(f)", "(e)", "(d)", "(1)"]
+    assert 0.5 < float(lines[3].split("γ ")[1].split()[0]) <= 1.0  # a digit: (d) at that γ (short last rounds draft fewer)
     assert "γ 0.00 tok/round 1.00" in lines[0]  # target only: one token a round
     assert float(lines[2].split("γ ")[1].split()[0]) > 0  # (d) drafted
     assert all("target: batch" in ln for ln in lines)  # the target served every run
