@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
-    runner = build_runner(args)
+    runner = build_runner(args, "draft_service")
     engine = DraftEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
 
     async def run() -> None:

@@ -17,7 +17,7 @@ from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
 from specdec import metrics
-from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, setup_logging
+from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, refusing_to_start, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of
@@ -293,23 +293,25 @@ def max_context(args) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     setup_logging(args.log_level)
-    tokenizer = load_tokenizer(args.tokenizer)
-    redis = redis_client(args.redis_url, args.redis_password_file)
-    pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
-                        args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
+    with refusing_to_start("orchestrator"):
+        tokenizer = load_tokenizer(args.tokenizer)
+        context = max_context(args)
+        token = read_secret(args.api_token_file)
+        creds = server_credentials(args.tls_cert_file, args.tls_key_file, None)
+        redis = redis_client(args.redis_url, args.redis_password_file)
+        pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
+                            args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
     costs = CostModel()
     metrics.export_target_forward_ms(costs.forward.table)
     governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)
     metrics.export_governor(governor.table)
-    generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, max_context(args), costs,
+    generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, context, costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor)
-    token = read_secret(args.api_token_file)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
-    creds = server_credentials(args.tls_cert_file, args.tls_key_file, None)
     port = shell.listen(args.host, args.port, creds)
     metrics.serve_metrics(args.metrics_port)
     log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())

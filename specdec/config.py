@@ -1,6 +1,8 @@
 """Command-line flags shared by the three servers; every flag also reads SPECDEC_<NAME>."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import argparse
 import logging
 import os
@@ -25,6 +27,20 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
         ap.error(f"{name}={value!r} is not a choice of {action.option_strings[0]} "
                  f"({', '.join(map(str, action.choices))})")
     return args
+
+
+@contextmanager
+def refusing_to_start(prog: str):
+    """What goes wrong while a server starts because of how it was configured (a model or
+    tokenizer that cannot load, kernels or a quantisation this machine cannot run, a secret
+    or certificate file that cannot be read) ends the process with one line naming the
+    problem, status 1, rather than a traceback."""
+    from specdec.models import ModelLoadError
+
+    try:
+        yield
+    except (ModelLoadError, ValueError, OSError) as exc:
+        raise SystemExit(f"{prog}: cannot start: {exc}") from None
 
 
 def read_secret(path: str | None) -> str | None:

@@ -52,11 +52,19 @@ def _local_only(path: str) -> bool:
     return Path(path).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1"
 
 
+def _check_local(path: str, what: str) -> None:
+    """A path written as one (absolute, ./, ../ or ~) must be a directory here: otherwise
+    Hugging Face would read it as a Hub id and answer with the rules of repository names."""
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise ModelLoadError(f"no {what} directory at {path!r}")
+
+
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     path = str(path)
+    _check_local(path, "model")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=_local_only(path))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a directory without a model's config
         raise ModelLoadError(f"cannot load a model from {path!r}: {exc}") from exc
     if config.model_type not in SUPPORTED_TYPES:
         raise ModelLoadError(f"{path}: model type {config.model_type!r} is not supported "
@@ -67,6 +75,7 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
 
 def load_tokenizer(path: str | os.PathLike):
     path = str(path)
+    _check_local(path, "tokenizer")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
     except OSError as exc:

@@ -11,7 +11,7 @@ import torch
 
 from specdec import metrics
 from specdec.batcher import MicroBatcher
-from specdec.config import redis_client, setup_logging
+from specdec.config import redis_client, refusing_to_start, setup_logging
 from specdec.errors import SpecDecError
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials
@@ -25,16 +25,17 @@ from specdec.registry import Heartbeat, ReplicaInfo, Registry
 log = logging.getLogger(__name__)
 
 
-def build_runner(args: argparse.Namespace) -> ModelRunner:
+def build_runner(args: argparse.Namespace, prog: str = "replica") -> ModelRunner:
     setup_logging(args.log_level)  # before the model loads, so that its line (device, dtype) is logged
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    t0 = time.perf_counter()
-    quantize = resolve_quantize(getattr(args, "quantize", "none"), device, dtype)  # a draft's option only
-    runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels,
-                         attention=args.attention, quantize=quantize)
+    with refusing_to_start(prog):
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+        t0 = time.perf_counter()
+        quantize = resolve_quantize(getattr(args, "quantize", "none"), device, dtype)  # a draft's option only
+        runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels,
+                             attention=args.attention, quantize=quantize)
     log.info("loaded %s on %s as %s in %.1fs; %s", args.model, device, dtype, time.perf_counter() - t0,
              runner.kernels_summary)
     return runner

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
-    runner = build_runner(args)
+    runner = build_runner(args, "target_service")
     engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20, args.verification)
 
     async def run() -> None:

@@ -25,3 +25,27 @@ def test_a_bad_quantisation_is_a_usage_error(monkeypatch, capsys, argv, env, wor
         main(argv)
     assert exit_.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def _start(module: str, *flags: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-m", module, "--port", "0", "--redis-url", "redis://127.0.0.1:1", *flags],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "/no/such/model"], "draft_service: cannot start: no model directory at '/no/such/model'"),
+    (["--dtype", "bfloat16", "--quantize", "w8a8"],
+     "draft_service: cannot start: w8a8 cannot serve this model: it serves float32 models on a CPU"),
+    (["--dtype", "bfloat16", "--linear-kernels", "half"], "draft_service: cannot start: 16-bit weights cannot serve"),
+])
+def test_a_replica_that_cannot_start_says_why_in_one_line(flags, words):
+    """Configuration met at start-up (a missing model, kernels this model cannot use) ends
+    the process with status 1 and the reason, not a traceback."""
+    done = _start("draft_service", *flags)
+    assert done.returncode == 1
+    assert words in done.stderr and "Traceback" not in done.stderr

@@ -26,3 +26,15 @@ def test_a_setting_from_the_environment_is_checked_like_its_flag(monkeypatch, ca
     assert exit_.value.code == 2
     assert "SPECDEC_INTERNAL_CALLS='carrier-pigeon' is not a choice of --internal-calls (mux, stream, unary)" \
         in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tokenizer", "./no/such/tokenizer"], "orchestrator: cannot start: no tokenizer directory at './no/such/tokenizer'"),
+    (["--api-token-file", "/no/such/token"], "orchestrator: cannot start: [Errno 2] No such file or directory"),
+])
+def test_an_orchestrator_that_cannot_start_says_why_in_one_line(flags, words):
+    from tests.draft_service.test_cli import _start
+
+    done = _start("orchestrator", *flags)
+    assert done.returncode == 1
+    assert words in done.stderr and "Traceback" not in done.stderr

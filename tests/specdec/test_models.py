@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from specdec.models import ModelLoadError, check_pair, load_model, pick_device, pick_dtype
+from specdec.models import ModelLoadError, check_pair, load_model, load_tokenizer, pick_device, pick_dtype
 
 
 def test_bundled_pair_is_accepted(bundled_paths):
@@ -43,5 +43,11 @@ def test_device_and_dtype_defaults():
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="cannot load"):
+    """A path written as one is never taken for a Hub id, whose naming rules would be the
+    message; an empty directory is a model that cannot load."""
+    with pytest.raises(ModelLoadError, match="no model directory at '.*nothing-here'"):
         load_model(tmp_path / "nothing-here", torch.device("cpu"), torch.float32)
+    with pytest.raises(ModelLoadError, match="no tokenizer directory at '~/nothing-here-either'"):
+        load_tokenizer("~/nothing-here-either")
+    with pytest.raises(ModelLoadError, match="cannot load a model from"):
+        load_model(tmp_path, torch.device("cpu"), torch.float32)
