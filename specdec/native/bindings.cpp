@@ -3,22 +3,7 @@
 #include <torch/extension.h>
 
 #include "isa.h"
-
-torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
-int64_t panel_width();
-torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
-bool has_int8_dot();
-torch::Tensor packed_attention(torch::Tensor qkv, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> caches,
-                               std::vector<int64_t> starts, std::vector<int64_t> lengths, int64_t layer, double scale);
-
-torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor qkv_w, int64_t qkv_out,
-                            torch::Tensor o_w, torch::Tensor norm2, torch::Tensor gate_up_w, int64_t gate_up_out,
-                            torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
-                            std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
-                            int64_t layer, double scale, double eps);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void bind_packed_model(pybind11::module& m);
-torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
+#include "kernels.h"
 
 namespace specdec {
 

@@ -10,10 +10,7 @@
 #include <vector>
 
 #include "isa.h"
-
-torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
-torch::Tensor packed_attention(torch::Tensor qkv, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> caches,
-                               std::vector<int64_t> starts, std::vector<int64_t> lengths, int64_t layer, double scale);
+#include "kernels.h"
 
 namespace {
 namespace scalar {

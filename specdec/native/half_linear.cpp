@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "kernels.h"
 
 namespace {
 
@@ -166,8 +167,6 @@ void run_panel(specdec::Isa isa, const float* x, int64_t rows, int64_t in, const
 }
 
 }  // namespace
-
-torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
 
 // The panel width this CPU's kernel wants: the weight is packed for it.
 int64_t panel_width() {

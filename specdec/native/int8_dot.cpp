@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "kernels.h"
 
 namespace {
 

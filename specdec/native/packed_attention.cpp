@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "kernels.h"
 
 namespace {
 

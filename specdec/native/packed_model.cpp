@@ -10,13 +10,7 @@
 #include <cstring>
 #include <vector>
 
-torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
-torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor qkv_w, int64_t qkv_out,
-                            torch::Tensor o_w, torch::Tensor norm2, torch::Tensor gate_up_w, int64_t gate_up_out,
-                            torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
-                            std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
-                            int64_t layer, double scale, double eps);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+#include "kernels.h"
 
 namespace {
 

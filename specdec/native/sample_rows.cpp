@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 template <typename T>

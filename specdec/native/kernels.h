@@ -1,0 +1,26 @@
+// The kernels one source file of specdec's extension calls in another, declared once
+// (bindings.cpp exports them all to Python).
+#pragma once
+#include <torch/extension.h>
+#include <vector>
+
+// half_linear.cpp: x · Wᵀ over 16-bit or int8 weight panels (or int8_dot.cpp's, by dtype)
+torch::Tensor half_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
+int64_t panel_width();
+// int8_dot.cpp: int8 weights times int8-rounded rows by 8-bit dot products
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t out, c10::optional<torch::Tensor> bias);
+bool has_int8_dot();
+// packed_attention.cpp
+torch::Tensor packed_attention(torch::Tensor qkv, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> caches,
+                               std::vector<int64_t> starts, std::vector<int64_t> lengths, int64_t layer, double scale);
+// decoder_layer.cpp
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor qkv_w, int64_t qkv_out,
+                            torch::Tensor o_w, torch::Tensor norm2, torch::Tensor gate_up_w, int64_t gate_up_out,
+                            torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
+                            std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
+                            int64_t layer, double scale, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// packed_model.cpp: the PackedModel class
+void bind_packed_model(pybind11::module& m);
+// sample_rows.cpp
+torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
