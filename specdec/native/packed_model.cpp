@@ -99,5 +99,6 @@ void bind_packed_model(pybind11::module& m) {
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<std::vector<torch::Tensor>>,
                           std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, double, double>())
-      .def("forward", &PackedModel::forward, "the items' tokens through the model → their logits rows");
+      .def("forward", &PackedModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "the items' tokens through the model → their logits rows (without the GIL, as bindings.cpp's kernels)");
 }
