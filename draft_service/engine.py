@@ -80,9 +80,20 @@ class DraftEngine:
                 live.append(i)
             except SpecDecError as exc:
                 results[i] = exc
+        feed = {i: torch.tensor(jobs[i].ref.tokens, dtype=torch.long) for i in live}
+        if self._plain_greedy([jobs[i] for i in live]):
+            drafts = self.runner.draft_greedy([ForwardItem(caches[i], feed[i], 1) for i in live],
+                                              [jobs[i].gamma for i in live])
+            if drafts is not None:
+                self.forward_passes += max(jobs[i].gamma for i in live)
+                self.fed_tokens += sum(len(feed[i]) + jobs[i].gamma - 1 for i in live)
+                ms = (time.perf_counter() - t0) * 1000
+                for i, tokens in zip(live, drafts):
+                    results[i] = Proposal(tokens=tokens, q=None, cache_length=caches[i].length, compute_ms=ms,
+                                          batch_size=len(live))
+                return results  # type: ignore[return-value]
         drafted = {i: ([], []) for i in live}
         seconds = {i: [] for i in live if jobs[i].runner_ups}
-        feed = {i: torch.tensor(jobs[i].ref.tokens, dtype=torch.long) for i in live}
         step = 0
         while live:
             items = [ForwardItem(caches[i], feed[i], 1) for i in live]
@@ -119,6 +130,12 @@ class DraftEngine:
             results[i] = Proposal(tokens=tokens, q=torch.stack(rows) if rows else None, cache_length=caches[i].length,
                                   compute_ms=ms, batch_size=len(drafted), runner_ups=seconds.get(i))
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _plain_greedy(jobs: list[ProposeJob]) -> bool:
+        """Jobs whose steps need nothing but each row's argmax (greedy, no runner-ups, no
+        early stop): the runner can draft them in one native call (ModelRunner.draft_greedy)."""
+        return bool(jobs) and all(j.params.greedy and not j.runner_ups and j.stop_below <= 0 for j in jobs)
 
     @staticmethod
     def _goes_on(job: ProposeJob, step: int, top: float | None) -> bool:

@@ -347,6 +347,29 @@ class ModelRunner:
             it.cache.length = s + n
         return logits
 
+    @torch.inference_mode()
+    def draft_greedy(self, items: list[ForwardItem], gammas: list[int]) -> list[list[int]] | None:
+        """Greedy drafting of gammas[i] tokens per item, every step in one native call
+        (PackedModel.draft_greedy): the tokens `forward` and each row's argmax, fed back step
+        by step, would give, without the Python of each step between. The caches then hold
+        their items' tokens and all but the last drafted token, as a step-by-step loop
+        leaves them. None where the whole forward is not native for every row count the
+        steps take (then the caller steps itself)."""
+        if self._whole is None or not items:
+            return None
+        fed = sum(int(it.tokens.shape[0]) for it in items)
+        if any(self.kernels.kernel(n) != HALF for n in {fed, *range(1, len(items) + 1)}):
+            return None
+        starts = [it.cache.length for it in items]
+        lengths = [int(it.tokens.shape[0]) for it in items]
+        for it, s, n, g in zip(items, starts, lengths, gammas):
+            it.cache.reserve(s + n + g - 1)
+        ids = items[0].tokens if len(items) == 1 else torch.cat([it.tokens for it in items])
+        tokens = self._whole.draft_greedy(ids, [it.cache.kv for it in items], starts, lengths, gammas).tolist()
+        for it, s, n, g in zip(items, starts, lengths, gammas):
+            it.cache.length = s + n + g - 1
+        return [row[:g] for row, g in zip(tokens, gammas)]
+
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
 

@@ -7,6 +7,7 @@
 // weights once (the runner's own tensors, no copies), so a call passes only what changes:
 // the tokens, the caches and where each session's rows start.
 #include <torch/extension.h>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -85,6 +86,52 @@ class PackedModel {
     return half_linear(rms_norm(last, final_norm_, eps_), head_, vocab_, c10::nullopt);
   }
 
+  // A greedy draft of gammas[b] tokens per item, all steps in this one call: step 0 feeds
+  // each item's ids (as `forward`), every later step the argmax of the step before, while
+  // the item has tokens left to draft (its last token is not fed: the draft's cache then
+  // holds starts[b] + lengths[b] + gammas[b] − 1 positions, as the Python loop leaves it).
+  // The caches must have room for that already. → [B, max γ] int64, row b's first gammas[b]
+  // entries its tokens, each a row's first maximum (numpy's and torch's argmax).
+  torch::Tensor draft_greedy(torch::Tensor ids, std::vector<torch::Tensor> caches, std::vector<int64_t> starts,
+                             std::vector<int64_t> lengths, std::vector<int64_t> gammas) {
+    const int64_t B = static_cast<int64_t>(caches.size());
+    TORCH_CHECK(static_cast<int64_t>(gammas.size()) == B, "PackedModel.draft_greedy: one γ per item");
+    int64_t G = 0;
+    for (int64_t g : gammas) {
+      TORCH_CHECK(g >= 1, "PackedModel.draft_greedy: every item drafts at least one token");
+      G = std::max(G, g);
+    }
+    auto out = torch::zeros({B, G}, torch::kLong);
+    int64_t* tokens = out.data_ptr<int64_t>();
+    std::vector<int64_t> live(B);
+    for (int64_t b = 0; b < B; b++) live[b] = b;
+    for (int64_t step = 0; step < G && !live.empty(); step++) {
+      std::vector<torch::Tensor> step_caches;
+      for (int64_t b : live) step_caches.push_back(caches[b]);
+      const auto logits = forward(ids, step_caches, starts, lengths, std::vector<int64_t>(live.size(), 1));
+      const float* l = logits.data_ptr<float>();
+      std::vector<int64_t> next_live, next_starts, next_tokens;
+      for (size_t r = 0; r < live.size(); r++) {
+        const float* row = l + r * vocab_;
+        int64_t best = 0;
+        for (int64_t v = 1; v < vocab_; v++)
+          if (row[v] > row[best]) best = v;
+        const int64_t b = live[r];
+        tokens[b * G + step] = best;
+        if (step + 1 < gammas[b]) {
+          next_live.push_back(b);
+          next_starts.push_back(starts[r] + lengths[r]);
+          next_tokens.push_back(best);
+        }
+      }
+      live = std::move(next_live);
+      starts = std::move(next_starts);
+      lengths.assign(live.size(), 1);
+      ids = torch::tensor(next_tokens, torch::kLong);
+    }
+    return out;
+  }
+
  private:
   torch::Tensor embed_, cos_, sin_;
   std::vector<std::vector<torch::Tensor>> layers_;
@@ -100,5 +147,7 @@ void bind_packed_model(pybind11::module& m) {
                           std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, double, double>())
       .def("forward", &PackedModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "the items' tokens through the model → their logits rows (without the GIL, as bindings.cpp's kernels)");
+           "the items' tokens through the model → their logits rows (without the GIL, as bindings.cpp's kernels)")
+      .def("draft_greedy", &PackedModel::draft_greedy, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "a greedy draft of γ tokens per item, every step in this call → [B, max γ] tokens");
 }

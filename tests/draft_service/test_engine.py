@@ -111,3 +111,33 @@ def test_runner_ups_and_a_fork_leave_the_sessions_cache_alone(draft_model, token
     assert type(bad).__name__ == "CacheMismatch"
     sampled = engine.propose([ProposeJob(CacheRef("t", 1, 0, ids), 2, SamplingParams(1.0), runner_ups=True)])[0]
     assert type(sampled).__name__ == "InvalidRequest"
+
+
+def test_greedy_batches_drafted_in_one_native_call_are_the_step_by_step_loops(draft_model, tokenizer):
+    """ModelRunner.draft_greedy (every step of a plain greedy proposal in one call) against the
+    engine's own loop (a runner without the whole native forward): the same tokens, cache
+    lengths and cached keys and values, over sessions of different γ and catch-up lengths."""
+    import copy
+
+    fast = DraftEngine(ModelRunner(copy.deepcopy(draft_model), linear_kernels="half"))
+    slow = DraftEngine(ModelRunner(copy.deepcopy(draft_model), linear_kernels="half", whole_forward=False))
+    assert fast.runner.whole and not slow.runner.whole
+    prompts = [tokenizer(p)["input_ids"] for p in ("import os\n", "def walk(root):\n    for ", "class A:\n")]
+    greedy = SamplingParams(0.0)
+    starts = [0, 0, 0]
+    for gammas in ((4, 1, 7), (2, 5, 3), (1, 1, 1)):
+        feeds = [p if s == 0 else [7 + i] for i, (p, s) in enumerate(zip(prompts, starts))]
+        jobs = [ProposeJob(CacheRef(f"s{i}", 1, s, f), g, greedy) for i, (s, f, g) in enumerate(zip(starts, feeds, gammas))]
+        passes = (fast.forward_passes, slow.forward_passes)
+        got, want = fast.propose(jobs), slow.propose(jobs)
+        for a, b, g in zip(got, want, gammas):
+            assert a.tokens == b.tokens and len(a.tokens) == g and a.q is None
+            assert a.cache_length == b.cache_length and a.batch_size == b.batch_size == 3
+        assert fast.forward_passes - passes[0] == slow.forward_passes - passes[1] == max(gammas)
+        assert fast.fed_tokens == slow.fed_tokens
+        for i in range(3):
+            ca, cb = fast.sessions._sessions[f"s{i}"].cache, slow.sessions._sessions[f"s{i}"].cache
+            assert ca.length == cb.length
+            assert torch.allclose(ca.kv[:, :, : ca.length], cb.kv[:, :, : cb.length], atol=1e-5)
+        # the next call commits the first token of each draft (a round that kept nothing)
+        starts = [s + len(f) for s, f in zip(starts, feeds)]
