@@ -1,13 +1,16 @@
-"""What the native draw and final norm save: `python -m benchmarks.draw_probe`.
+"""What the native draw, final norm and whole forward save: `python -m benchmarks.draw_probe`.
 
 specdec.native's `sample_rows` (a sampled draw in one call) and `rms_norm` (the model's
-final norm with the layers' own loop) replace a dozen torch operators each. This times, by
-turns in one process over the bundled pair's engines, a draft step, a target step and a
-draft proposal of γ tokens after a 3-token feed (greedy and at temperature 1), once with
-the native calls and once with torch's operators restored in their place (sampling's
-`sample_from_torch`, `F.rms_norm`), and prints the median of each, so that a slow spell of
-a shared machine weighs on both arms alike. The tokens drawn are the same either way
-(tests/specdec/test_native_sampling.py).
+final norm with the layers' own loop) replace a dozen torch operators each, and its
+PackedModel runs a whole forward (embedding, layers, final norm, head), or every step of a
+plain greedy proposal, as one call. This times, by turns in one process over the bundled
+pair's engines, a draft step, a target step and a draft proposal of γ tokens after a
+3-token feed (greedy and at temperature 1), once with the native calls and once with
+torch's operators restored in their place (sampling's `sample_from_torch`, `F.rms_norm`,
+and the layers one native call each with Python between them), and prints the median of
+each, so that a slow spell of a shared machine weighs on both arms alike. The tokens drawn
+are the same either way (tests/specdec/test_native_sampling.py,
+tests/specdec/test_decoder_layer.py, tests/draft_service/test_engine.py).
 """
 from __future__ import annotations
 
@@ -36,16 +39,18 @@ class Arms:
         if native.module() is None:
             raise SystemExit(f"specdec's CPU kernels are unavailable here: {native.unavailable_reason()}")
         self.draw = sampling.sample_from
-        self.norms = [(r, r._final_rms_norm) for r in runners]
-        if any(norm is None for _, norm in self.norms):
+        self.norms = [(r, r._final_rms_norm, r._whole) for r in runners]
+        if any(norm is None for _, norm, _ in self.norms):
             raise SystemExit("the runners do not fuse their layers here (no 16-bit products?): nothing to compare")
 
     def use(self, native_calls: bool) -> None:
-        # sampling's own functions look sample_from up at each call; the products keep their
-        # native kernels either way (only the draw and the final norm differ between arms)
+        # sampling's own functions look sample_from up at each call; the products and the
+        # layers keep their native kernels either way (the draw, the final norm and the
+        # whole forward in one call differ between arms)
         sampling.sample_from = self.draw if native_calls else sampling.sample_from_torch
-        for runner, norm in self.norms:
+        for runner, norm, whole in self.norms:
             runner._final_rms_norm = norm if native_calls else torch_rms_norm
+            runner._whole = whole if native_calls else None
 
 
 def median_us(call: Callable[[], object], reps: int, reset: Callable[[], None] | None = None) -> float:
