@@ -1,11 +1,10 @@
 """Command-line flags shared by the three servers; every flag also reads SPECDEC_<NAME>."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import argparse
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 

@@ -53,6 +53,11 @@ class ForwardItem:
     logits_rows: int  # how many trailing positions need logits (1 .. n)
 
 
+def _packed_ids(items: list[ForwardItem]) -> torch.Tensor:
+    """The items' new tokens one after the other, [Σ n] (a lone item's own tensor)."""
+    return items[0].tokens if len(items) == 1 else torch.cat([it.tokens for it in items])
+
+
 def column_major_linears(model: torch.nn.Module) -> None:
     """Store every linear weight as the transpose of a contiguous [in, out] matrix.
 
@@ -250,6 +255,11 @@ class ModelRunner:
             [la.qkv.weight.shape[0] for la in self.layers], [la.gate_up.weight.shape[0] for la in self.layers],
             self.final_norm, self.head.half, self.vocab_size, self.num_heads, self.kv_heads, self.scaling, self.eps)
 
+    def _whole_takes(self, *row_counts: int) -> bool:
+        """Whether the whole native forward runs forwards of these row counts: it exists and
+        the compact products are every such count's kernel."""
+        return self._whole is not None and all(self.kernels.kernel(n) == HALF for n in row_counts)
+
     @property
     def whole(self) -> bool:
         """Whether forwards whose rows all take the compact products are one native call."""
@@ -300,19 +310,16 @@ class ModelRunner:
         lengths = [int(it.tokens.shape[0]) for it in items]
         for it, s, n in zip(items, starts, lengths):
             it.cache.reserve(s + n)
-        if self._whole is not None:
-            rows = [it.logits_rows for it in items]
-            if self.kernels.kernel(sum(lengths)) == HALF and self.kernels.kernel(sum(rows)) == HALF:
-                ids = items[0].tokens if len(items) == 1 else torch.cat([it.tokens for it in items])
-                logits = self._whole.forward(ids, [it.cache.kv for it in items], starts, lengths, rows)
-                for it, s, n in zip(items, starts, lengths):
-                    it.cache.length = s + n
-                return logits
+        wanted = [it.logits_rows for it in items]
+        if self._whole_takes(sum(lengths), sum(wanted)):
+            logits = self._whole.forward(_packed_ids(items), [it.cache.kv for it in items], starts, lengths, wanted)
+            for it, s, n in zip(items, starts, lengths):
+                it.cache.length = s + n
+            return logits
+        ids = _packed_ids(items).to(self.device)  # [N]
         if len(items) == 1:
-            ids = items[0].tokens.to(self.device)
             positions = slice(starts[0], starts[0] + lengths[0])
         else:
-            ids = torch.cat([it.tokens for it in items]).to(self.device)  # [N]
             positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
                                      device=self.device)
         cos, sin = self._rotation(positions)
@@ -355,17 +362,14 @@ class ModelRunner:
         their items' tokens and all but the last drafted token, as a step-by-step loop
         leaves them. None where the whole forward is not native for every row count the
         steps take (then the caller steps itself)."""
-        if self._whole is None or not items:
-            return None
-        fed = sum(int(it.tokens.shape[0]) for it in items)
-        if any(self.kernels.kernel(n) != HALF for n in {fed, *range(1, len(items) + 1)}):
+        lengths = [int(it.tokens.shape[0]) for it in items]
+        if not items or not self._whole_takes(sum(lengths), *range(1, len(items) + 1)):
             return None
         starts = [it.cache.length for it in items]
-        lengths = [int(it.tokens.shape[0]) for it in items]
         for it, s, n, g in zip(items, starts, lengths, gammas):
             it.cache.reserve(s + n + g - 1)
-        ids = items[0].tokens if len(items) == 1 else torch.cat([it.tokens for it in items])
-        tokens = self._whole.draft_greedy(ids, [it.cache.kv for it in items], starts, lengths, gammas).tolist()
+        tokens = self._whole.draft_greedy(_packed_ids(items), [it.cache.kv for it in items], starts, lengths,
+                                          gammas).tolist()
         for it, s, n, g in zip(items, starts, lengths, gammas):
             it.cache.length = s + n + g - 1
         return [row[:g] for row, g in zip(tokens, gammas)]
