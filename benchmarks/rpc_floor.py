@@ -9,6 +9,9 @@ measures the floor under the first part on the machine at hand, side by side:
   model, no orchestrator), its wall time minus the compute_ms the replica reports;
 - verify over a stream: the same requests as messages of one VerifyStream, as the
   orchestrator sends a generation's rounds (saves the unary call's set-up);
+- verify over the shared multiplexed stream (`--internal-calls mux`, VerifyMux over gRPC)
+  and over the replica's frame link (`--internal-calls frames`: the same messages over a
+  plain TCP connection, specdec/frames.py);
 
 each back to back and after an idle gap before every call, as a replica sees while the
 other pool works on the round (on a shared VM an idle vCPU is slow to wake). The verify
@@ -104,19 +107,40 @@ async def _decode_session(send, calls: int, gap_s: float, session: str, after=No
     return out
 
 
-async def time_verify(address: str, calls: int, gap_s: float, tag: str,
-                      stream: bool = False) -> tuple[list[float], list[float]]:
-    """By unary calls or over one stream: → (wall − compute ms, compute ms) per call."""
+VIAS = {"unary": "Verify", "stream": "VerifyStream message", "mux": "VerifyMux call over gRPC",
+        "frames": "VerifyMux call over the frame link"}
+
+
+async def time_verify(address: str, calls: int, gap_s: float, tag: str, via: str = "unary",
+                      frame_port: int = 0) -> tuple[list[float], list[float]]:
+    """By unary calls, over one stream, or over the shared multiplexed stream by gRPC or
+    by the replica's frame link (`frame_port`), as the orchestrator's --internal-calls
+    unary, stream, mux and frames send a round's calls: → (wall − compute ms, compute ms)
+    per call."""
+    from orchestrator.frame_stream import FrameStream
+    from orchestrator.mux_link import MuxLink
     from orchestrator.round_stream import RoundStream
     from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 
+    name = f"target replica {address}"
     async with grpc.aio.insecure_channel(address) as channel:
         stub = replica_pb2_grpc.TargetStub(channel)
-        link = RoundStream(stub.VerifyStream, f"target replica {address}", "target")
-        send = (lambda req: link.call(req, 10)) if stream else (lambda req: stub.Verify(req, timeout=10))
+        if via == "unary":
+            link, send = None, (lambda req: stub.Verify(req, timeout=10))
+        elif via == "stream":
+            link = RoundStream(stub.VerifyStream, name, "target")
+            send = lambda req: link.call(req, 10)  # noqa: E731
+        else:
+            opener = (stub.VerifyMux if via == "mux" else
+                      lambda: FrameStream("127.0.0.1", frame_port, "VerifyMux", replica_pb2.VerifyAnswers, name))
+            link = MuxLink(opener, name, "target", replica_pb2.VerifyCall, replica_pb2.VerifyCalls)
+            send = lambda req: link.call(req, 10)  # noqa: E731
         session = f"rpc-floor-{tag}"
         calls_made = await _decode_session(send, calls, gap_s, session)
-        await link.close()
+        if isinstance(link, RoundStream):
+            await link.close()
+        elif link is not None:
+            link.close()
         await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
         return [wall - resp.compute_ms for wall, resp in calls_made], [resp.compute_ms for _, resp in calls_made]
 
@@ -180,14 +204,16 @@ def time_step(runner, calls: int, gap_s: float) -> list[float]:
 
 
 async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: list[float],
-                  runner=None) -> list[str]:
+                  runner=None, frame_port: int = 0) -> list[str]:
     rows = ["| call | idle gap before each | median ms | p90 ms | replica compute, median ms |",
             "|---|---|---|---|---|"]
     for gap in gaps_ms:
         med, p90 = summary(await time_echo(echo_address, calls, gap / 1000))
         rows.append(f"| echo (bare gRPC, 250 B) | {gap:g} ms | {med:.3f} | {p90:.3f} | — |")
-        for stream, name in ((False, "Verify"), (True, "VerifyStream message")):
-            overhead, compute = await time_verify(target_address, calls, gap / 1000, f"{gap:g}-{stream}", stream)
+        for via, name in VIAS.items():
+            if via == "frames" and not frame_port:
+                continue
+            overhead, compute = await time_verify(target_address, calls, gap / 1000, f"{gap:g}-{via}", via, frame_port)
             med, p90 = summary(overhead)
             rows.append(f"| {name}, target only: wall − compute | {gap:g} ms | {med:.3f} | {p90:.3f} | "
                         f"{summary(compute)[0]:.3f} |")
@@ -243,12 +269,27 @@ def main(argv: list[str] | None = None) -> int:
         stack.start_redis()
         target = stack.start_replica("target")
         wait_serving_echo(f"127.0.0.1:{port}", echo)
-        print("\n".join(asyncio.run(measure(f"127.0.0.1:{port}", target.address, args.calls, gaps, runner))))
+        frame_port = asyncio.run(registered_frame_port(stack.redis_url, target.address))
+        print("\n".join(asyncio.run(measure(f"127.0.0.1:{port}", target.address, args.calls, gaps, runner,
+                                             frame_port))))
     finally:
         echo.terminate()
         echo.wait(10)
         stack.stop()
     return 0
+
+
+async def registered_frame_port(redis_url: str, address: str) -> int:
+    """The replica's frame-link port as its registry entry gives it (0: none)."""
+    import redis.asyncio as aioredis
+
+    from specdec.registry import Registry
+
+    client = aioredis.from_url(redis_url)
+    try:
+        return next((r.frame_port for r in await Registry(client).live("target") if r.address == address), 0)
+    finally:
+        await client.aclose()
 
 
 def wait_serving_echo(address: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -11,6 +11,7 @@ from draft_service.engine import DraftEngine, ProposeJob
 from specdec import sampling
 from specdec.config import add_common_args, add_replica_args, env, parse_args
 from specdec.errors import InvalidRequest
+from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_DRAFT
 from specdec.quantize import CHOICES as QUANTIZE_CHOICES
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         host = ReplicaHost(args, engine, engine.propose, SERVICE)
-        await host.serve(lambda server: replica_pb2_grpc.add_DraftServicer_to_server(DraftServicer(host), server))
+        servicer = DraftServicer(host)
+        await host.serve(lambda server: replica_pb2_grpc.add_DraftServicer_to_server(servicer, server),
+                         {"ProposeMux": MuxMethod(servicer.propose, replica_pb2.ProposeCalls, replica_pb2.ProposeAnswer,
+                                           replica_pb2.ProposeAnswers)})
 
     asyncio.run(run())

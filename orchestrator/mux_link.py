@@ -31,10 +31,15 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 class MuxLink:
     def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], name: str, pool: str,
-                 call_cls, calls_cls) -> None:
+                 call_cls, calls_cls, transport: str = "grpc") -> None:
+        """`open_call` opens the stream: a gRPC ProposeMux/VerifyMux call, or anything shaped
+        like one (write, read → message or grpc.aio.EOF, cancel; failures as AioRpcError),
+        such as a frame link's orchestrator.frame_stream.FrameStream (`transport` "frames")."""
         self._open = open_call
+        self.transport = transport
         self.name = name  # for error messages: "target replica 10.0.0.5:50071"
         self._opened_metric = metrics.INTERNAL_STREAMS.labels(pool or "unknown")
+        self._frames_metric = metrics.FRAME_LINKS.labels(pool or "unknown") if transport == "frames" else None
         self._messages_metric = metrics.MUX_MESSAGES.labels(pool or "unknown")
         self._calls_metric = metrics.MUX_CALLS.labels(pool or "unknown")
         self._call_cls, self._calls_cls = call_cls, calls_cls
@@ -80,6 +85,8 @@ class MuxLink:
         stream = self._stream = self._open()
         self.opened += 1
         self._opened_metric.inc()
+        if self._frames_metric is not None:
+            self._frames_metric.inc()
         self._outbox = []
         self._tasks = (asyncio.create_task(self._read(stream)), asyncio.create_task(self._write(stream)))
 

@@ -11,8 +11,10 @@ import time
 
 import grpc
 
+from orchestrator.frame_stream import FrameStream
 from orchestrator.mux_link import MuxLink
 from specdec.errors import Unavailable
+from specdec.frames import client_ssl_context
 from specdec.grpc_server import channel_credentials, channel_options
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.registry import Registry, ReplicaInfo
@@ -29,11 +31,17 @@ class PoolClients:
     def __init__(self, registry: Registry, draft_pool: str = "draft", target_pool: str = "target",
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
                  avoid_seconds: float = 10.0, registry_cache_seconds: float = 0.5,
-                 tls_server_name: str | None = None) -> None:
+                 tls_server_name: str | None = None, frames: bool = False) -> None:
         self.registry = registry
         self.pools = {"draft": draft_pool, "target": target_pool}
         self.creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
         self.options = channel_options(tls_server_name if self.creds else None)
+        # frames: the shared streams go over a replica's frame link where it has one
+        # (specdec.frames), else over gRPC as before
+        self.frames = frames
+        self.ssl_context = client_ssl_context(tls_ca_file, tls_cert_file, tls_key_file) if frames else None
+        self.tls_server_name = tls_server_name
+        self._frame_ports: dict[str, int] = {}  # from the registry: 0 = the replica has none
         self.avoid_seconds = avoid_seconds
         self.cache_seconds = registry_cache_seconds
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -69,10 +77,26 @@ class PoolClients:
         link = self._mux.get((kind, address))
         if link is None:
             method, call_cls, calls_cls = MUX_RPCS[kind]
-            # the stub is looked up at each opening: a replica marked down gets a new channel
-            link = self._mux[(kind, address)] = MuxLink(lambda: getattr(self._stub(kind, address), method)(),
-                                                        f"{kind} replica {address}", kind, call_cls, calls_cls)
+            name = f"{kind} replica {address}"
+            port = self._frame_ports.get(address, 0) if self.frames else 0
+            transport = "frames" if port > 0 else "grpc"
+            if port > 0:
+                host = address.rsplit(":", 1)[0].strip("[]")
+                answers_cls = replica_pb2.ProposeAnswers if kind == "draft" else replica_pb2.VerifyAnswers
+                opener = lambda: FrameStream(host, port, method, answers_cls, name,  # noqa: E731
+                                             self.ssl_context, self.tls_server_name)
+            else:
+                # the stub is looked up at each opening: a replica marked down gets a new channel
+                opener = lambda: getattr(self._stub(kind, address), method)()  # noqa: E731
+            link = self._mux[(kind, address)] = MuxLink(opener, name, kind, call_cls, calls_cls, transport)
         return link
+
+    async def shared_link(self, kind: str, address: str) -> MuxLink:
+        """`mux`, having first read the pool's registry entries where the replica's frame
+        port is not known yet (a session placed by another orchestrator)."""
+        if self.frames and address not in self._frame_ports and (kind, address) not in self._mux:
+            await self.live(kind)
+        return self.mux(kind, address)
 
     def mark_down(self, address: str) -> None:
         self._down[address] = time.monotonic() + self.avoid_seconds
@@ -101,6 +125,7 @@ class PoolClients:
             replicas = await self.registry.live(self.pools[kind])
             self._live_cache[kind] = (now, replicas)
             self._placed = {}
+            self._frame_ports.update((r.address, r.frame_port) for r in replicas)
         return [r for r in replicas if not self.is_down(r.address)]
 
     async def pick(self, kind: str, exclude: set[str] = frozenset()) -> str | None:

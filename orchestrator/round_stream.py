@@ -76,15 +76,17 @@ class RoundStream:
                     call.cancel()
 
 
-CALL_MODES = ("mux", "stream", "unary")
+CALL_MODES = ("frames", "mux", "stream", "unary")
 
 
 class SessionLinks:
-    """A generation's calls to the pools, in one of three ways (`mode`):
+    """A generation's calls to the pools, in one of four ways (`mode`):
     - "mux": over the process's one shared stream per replica (orchestrator.mux_link),
       one call at a time per replica for this generation, except calls that need no
       order (`ordered` False: a fork drafts in a private copy of the cache, so it can go
       in the same message as the pre-draft beside it);
+    - "frames": as "mux", the shared stream going over the replica's frame link
+      (specdec.frames) where it has one (the pools were built with `frames`);
     - "stream": over one RoundStream per replica of its own;
     - "unary": as plain unary calls (e.g. behind a proxy that dislikes long streams)."""
 
@@ -114,12 +116,12 @@ class SessionLinks:
             unary = self.pools.draft(address).Propose if kind == "draft" else self.pools.target(address).Verify
             return await unary(request, timeout=timeout)
         if not ordered:
-            return await self.pools.mux(kind, address).call(request, timeout)
+            return await (await self.pools.shared_link(kind, address)).call(request, timeout)
         lock = self._locks.get((kind, address))
         if lock is None:
             lock = self._locks[(kind, address)] = asyncio.Lock()
         async with lock:  # in order, as on a stream of its own: a pre-draft, then the next call
-            return await self.pools.mux(kind, address).call(request, timeout)
+            return await (await self.pools.shared_link(kind, address)).call(request, timeout)
 
     async def propose(self, address: str, request, timeout: float, ordered: bool = True):
         return await self._call("draft", address, request, timeout, ordered)

@@ -272,11 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the governor speculates only where that beats target-only decoding by more than this "
                          f"share (default {GOVERNOR_MARGIN}): within it the two trade places on noise and each switch "
                          f"costs the draft a catch-up [SPECDEC_LOAD_GOVERNOR_MARGIN]")
-    ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "mux"),
-                    help="how generations call the pools: mux (one stream per replica shared by every "
-                         "generation, the calls of one moment in one message), stream (one stream per replica "
-                         "per generation: saves a call set-up per round) or unary (a call per round) "
-                         "[SPECDEC_INTERNAL_CALLS]")
+    ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "frames"),
+                    help="how generations call the pools: frames (default: one stream per replica shared by "
+                         "every generation, the calls of one moment in one message, over the replica's frame link, "
+                         "a plain TCP or TLS connection, where it has one, else as mux), mux (the same over "
+                         "gRPC), stream (one stream per replica per generation: saves a call "
+                         "set-up per round) or unary (a call per round) [SPECDEC_INTERNAL_CALLS]")
     ap.add_argument("--pool-tls-server-name", default=env("POOL_TLS_SERVER_NAME"),
                     help="name in the pools' certificate, when it does not match the dialled address "
                          "(e.g. specdec-draft.specdec.svc) [SPECDEC_POOL_TLS_SERVER_NAME]")
@@ -300,7 +301,8 @@ async def serve(args: argparse.Namespace) -> None:
         creds = server_credentials(args.tls_cert_file, args.tls_key_file, None)
         redis = redis_client(args.redis_url, args.redis_password_file)
         pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
-                            args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name)
+                            args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name,
+                            frames=args.internal_calls == "frames")
     costs = CostModel()
     metrics.export_target_forward_ms(costs.forward.table)
     governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)

@@ -74,6 +74,10 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
     ap.add_argument("--pool", default=env("POOL", pool), help=f"pool name (default {pool}) [SPECDEC_POOL]")
     ap.add_argument("--advertise-address", default=env("ADVERTISE_ADDRESS"),
                     help="host:port registered in Redis (default 127.0.0.1:<port>) [SPECDEC_ADVERTISE_ADDRESS]")
+    ap.add_argument("--frame-port", type=int, default=int(env("FRAME_PORT", 0)),
+                    help="port of the frame link: the multiplexed calls over plain TCP, or TLS with the same "
+                         "certificates as the gRPC port, for orchestrators run with --internal-calls frames "
+                         "(specdec/frames.py); 0 = a free port, registered in Redis; -1 = none [SPECDEC_FRAME_PORT]")
     ap.add_argument("--device", default=env("DEVICE", "auto"), help="auto|cpu|cuda[:N] [SPECDEC_DEVICE]")
     ap.add_argument("--dtype", default=env("DTYPE", "auto"),
                     help="auto (fp32 on CPU, bf16 on GPU)|float32|bfloat16|float16 [SPECDEC_DTYPE]")

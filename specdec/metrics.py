@@ -64,6 +64,9 @@ DRAFT_STOPS = Counter("specdec_draft_stops_total",
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
                            "Streams opened to the pools (round streams: one per generation and replica; "
                            "multiplexed: one per replica; more after errors)", ["pool"])
+FRAME_LINKS = Counter("specdec_frame_links_opened_total",
+                      "Of those multiplexed streams, the ones opened over a replica's frame link (TCP or TLS "
+                      "without gRPC, --internal-calls frames); the rest went over gRPC", ["pool"])
 MUX_MESSAGES = Counter("specdec_mux_messages_total",
                        "Messages written on the multiplexed streams to the pools", ["pool"])
 MUX_CALLS = Counter("specdec_mux_calls_total",

@@ -34,6 +34,7 @@ class ReplicaInfo:
     vocab_size: int = 0
     dtype: str = ""  # the weights' dtype as served (float32, bfloat16, ...)
     kernels: str = ""  # the forward's kernels: products by rows and attention (specdec.linear_kernels)
+    frame_port: int = 0  # the port of its frame link (specdec.frames), on the address's host; 0: none
     updated: float = 0.0
 
     @classmethod

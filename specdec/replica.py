@@ -4,6 +4,7 @@ only in their servicer and engine; this is the part they share."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 
@@ -13,6 +14,8 @@ from specdec import metrics
 from specdec.batcher import MicroBatcher
 from specdec.config import redis_client, refusing_to_start, setup_logging
 from specdec.errors import SpecDecError
+from specdec.frame_server import FrameServer, MuxMethod
+from specdec.frames import server_ssl_context
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials
 from specdec.internal.v1 import replica_pb2
@@ -44,6 +47,8 @@ def build_runner(args: argparse.Namespace, prog: str = "replica") -> ModelRunner
 class ReplicaHost:
     def __init__(self, args: argparse.Namespace, engine, run_batch, service_name: str) -> None:
         self.args = args
+        self.frame_server: FrameServer | None = None
+        self.frame_port = 0  # bound, once serving
         self.engine = engine
         self.pool = args.pool
         self.address = args.advertise_address or f"127.0.0.1:{args.port}"
@@ -85,6 +90,14 @@ class ReplicaHost:
         (specdec.mux_server)."""
         await serve_mux(handle, request_iterator, context, answer_cls, answers_cls, self.shell.stopping)
 
+    async def _start_frame_link(self, methods: dict[str, MuxMethod]) -> None:
+        port = getattr(self.args, "frame_port", -1)
+        if port < 0 or not methods:
+            return
+        ssl_context = server_ssl_context(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
+        self.frame_server = FrameServer(methods, self.shell.stopping, ssl_context)
+        self.frame_port = await self.frame_server.start(self.args.host, port)
+
     def _on_batch(self, size: int, seconds: float, held: float) -> None:
         # per batch only pre-bound children; the session and cache gauges, a walk over
         # every session, follow the heartbeat in info()
@@ -106,7 +119,8 @@ class ReplicaHost:
         return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
                            queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,
                            model=str(self.args.model), vocab_size=self.engine.runner.vocab_size,
-                           dtype=dtype_name(self.engine.runner.dtype), kernels=self.engine.runner.kernels_summary)
+                           dtype=dtype_name(self.engine.runner.dtype), kernels=self.engine.runner.kernels_summary,
+                           frame_port=self.frame_port)
 
     def load_report(self) -> replica_pb2.LoadReport:
         s = self.engine.sessions
@@ -116,22 +130,30 @@ class ReplicaHost:
             prefill_tokens=self.engine.fed_tokens, forward_passes=self.engine.forward_passes,
             evictions=s.evictions, model=str(self.args.model), vocab_size=self.engine.runner.vocab_size)
 
-    async def serve(self, add_servicer) -> None:
+    async def serve(self, add_servicer, frame_methods: dict[str, MuxMethod] | None = None) -> None:
+        """Serve until SIGTERM; `frame_methods`: the multiplexed methods the frame link
+        answers (specdec.frames), by name."""
         add_servicer(self.shell.server)
         creds = server_credentials(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
         port = self.shell.listen(self.args.host, self.args.port, creds)
         metrics.serve_metrics(self.args.metrics_port)
         self.batcher.start()
+        await self._start_frame_link(frame_methods or {})
         log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         await self.shell.server.start()
         await self.shell.set_serving(True)
         self.heartbeat.start()
         self.shell.install_signal_handlers()
-        log.info("%s replica serving on %s:%d (advertised as %s)", self.pool, self.args.host, port, self.address)
+        log.info("%s replica serving on %s:%d (advertised as %s)%s", self.pool, self.args.host, port, self.address,
+                 f", frame link on port {self.frame_port}" if self.frame_port else "")
         await self.shell.stopping.wait()
         log.info("draining: deregistering and finishing calls in flight (up to %.0fs)", self.args.drain_seconds)
         await self.heartbeat.stop()
-        await self.shell.drain_and_stop(self.args.drain_seconds)
+        if self.frame_server is not None:
+            await asyncio.gather(self.shell.drain_and_stop(self.args.drain_seconds),
+                                 self.frame_server.stop(self.args.drain_seconds))
+        else:
+            await self.shell.drain_and_stop(self.args.drain_seconds)
         await self.batcher.stop()
         await self.redis.aclose()
         log.info("stopped")

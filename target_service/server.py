@@ -8,6 +8,7 @@ from draft_service.server import params_from_pb, ref_from_pb
 from specdec import sampling
 from specdec.config import add_common_args, add_replica_args, env, parse_args
 from specdec.errors import InvalidRequest
+from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         host = ReplicaHost(args, engine, engine.verify, SERVICE)
-        await host.serve(lambda server: replica_pb2_grpc.add_TargetServicer_to_server(TargetServicer(host), server))
+        servicer = TargetServicer(host)
+        await host.serve(lambda server: replica_pb2_grpc.add_TargetServicer_to_server(servicer, server),
+                         {"VerifyMux": MuxMethod(servicer.verify, replica_pb2.VerifyCalls, replica_pb2.VerifyAnswer,
+                                           replica_pb2.VerifyAnswers)})
 
     asyncio.run(run())

@@ -16,6 +16,7 @@ from deploy.render import find_kubectl, kustomize_version, render_objects
 from deploy.validate import CUSTOM_KINDS, check_custom, check_schema, check_typed, promql_error, to_typed
 
 POOLS = {"draft": 50061, "target": 50071}
+FRAME_PORTS = {"draft": 50062, "target": 50072}  # the pools' frame link (specdec/frames.py)
 SERVICES = {**POOLS, "orchestrator": 50051}
 GPU_OVERLAYS = ("gpu", "gpu-keda")
 TLS_PROBE = ["python", "/etc/specdec/probe/grpc_health_tls.py"]
@@ -24,7 +25,7 @@ KNOWN_SPECDEC_ENV = {
         "MODEL", "TOKENIZER", "HOST", "PORT", "ADVERTISE_ADDRESS", "POOL", "REDIS_URL",
         "REDIS_PASSWORD_FILE", "DEVICE", "DTYPE", "METRICS_PORT", "MAX_SESSIONS", "DRAIN_SECONDS",
         "THREADS", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "API_TOKEN_FILE",
-        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL", "QUANTIZE",
+        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL", "QUANTIZE", "FRAME_PORT",
         "MODELS",  # the model download Job's own list
     )
 }
@@ -197,6 +198,34 @@ def test_replicas_register_their_pod_ip(rendered, overlay):
         assert container_env(rendered[overlay], main_container(rendered[overlay], component))["SPECDEC_POOL"] == component
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pools_serve_the_frame_link_on_their_frame_port(rendered, overlay):
+    """The replica binds SPECDEC_FRAME_PORT and registers it in Redis; the orchestrator dials
+    it on the pod IP it registered, so the container port, the env and the Service agree."""
+    objs = rendered[overlay]
+    for component, port in FRAME_PORTS.items():
+        container = main_container(objs, component)
+        ports = {p["name"]: p for p in container["ports"]}
+        assert ports["frames"]["containerPort"] == port
+        assert ports["frames"].get("protocol", "TCP") == "TCP"
+        assert port not in {p["containerPort"] for name, p in ports.items() if name != "frames"}
+        assert container_env(objs, container)["SPECDEC_FRAME_PORT"] == str(port)
+        service = find(objs, "Service", f"specdec-{component}")
+        frames = [p for p in service["spec"]["ports"] if p["name"] == "frames"][0]
+        assert frames["port"] == port and frames["targetPort"] == "frames"
+    assert "SPECDEC_FRAME_PORT" not in container_env(objs, main_container(objs, "orchestrator"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pool_services_list_every_container_port(rendered, overlay):
+    """The pools' headless Services name every port their pods serve (the API's Service only 50051)."""
+    objs = rendered[overlay]
+    for component in POOLS:
+        container_ports = {p["name"]: p["containerPort"] for p in main_container(objs, component)["ports"]}
+        service = find(objs, "Service", f"specdec-{component}")
+        assert {p["targetPort"]: p["port"] for p in service["spec"]["ports"]} == container_ports, component
+
+
 def test_pools_have_headless_services_and_the_api_a_cluster_ip(rendered):
     objs = rendered["cpu"]
     for component in POOLS:
@@ -325,12 +354,19 @@ def test_network_policies_isolate_pools_and_redis(rendered, overlay):
         assert len(found) == 1
         return found[0]
 
-    for component, port in POOLS.items():
-        peers = peers_for_port(policy_for(pod_labels(objs, component)), port)
-        assert peers and all(p and set(p) == {"podSelector"} and labels_match(p["podSelector"], orchestrator)
-                             for p in peers), f"only the orchestrator may reach the {component} pool"
-        other_pool = pod_labels(objs, "target" if component == "draft" else "draft")
-        assert not any(labels_match(p["podSelector"], other_pool) for p in peers)
+    for component in POOLS:
+        policy = policy_for(pod_labels(objs, component))
+        # every port the pool serves but metrics: gRPC and the frame link alike
+        ports = {p["name"]: p["containerPort"] for p in main_container(objs, component)["ports"]}
+        assert {ports["grpc"], ports["frames"]} == {POOLS[component], FRAME_PORTS[component]}
+        for name, port in ports.items():
+            if name == "metrics":
+                continue
+            peers = peers_for_port(policy, port)
+            assert peers and all(p and set(p) == {"podSelector"} and labels_match(p["podSelector"], orchestrator)
+                                 for p in peers), f"only the orchestrator may reach the {component} pool's {name} port"
+            other_pool = pod_labels(objs, "target" if component == "draft" else "draft")
+            assert not any(labels_match(p["podSelector"], other_pool) for p in peers)
 
     redis = find(objs, "StatefulSet", "specdec-redis")["spec"]["template"]["metadata"]["labels"]
     peers = peers_for_port(policy_for(redis), 6379)

@@ -38,9 +38,12 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
         assert "specdec_stage_seconds_bucket{le=\"0.01\",stage=\"verify\"}" in m
         # the policy's view of the target forward: γ = 4 alone feeds 5 rows a round
         assert m['specdec_target_forward_ms{rows="5"}'] > 0
-        # one generation: one round stream to each pool, for all its rounds
+        # one generation: one round stream to each pool, for all its rounds, over the
+        # replicas' frame links (--internal-calls frames, the default)
         assert m['specdec_internal_streams_opened_total{pool="draft"}'] == 1
         assert m['specdec_internal_streams_opened_total{pool="target"}'] == 1
+        assert m['specdec_frame_links_opened_total{pool="draft"}'] == 1
+        assert m['specdec_frame_links_opened_total{pool="target"}'] == 1
         stub = replica_pb2_grpc.TargetStub(grpc.insecure_channel(target.address))
         for session in ("metrics-a", "metrics-b"):  # room for one: the second evicts the first
             stub.Verify(replica_pb2.VerifyRequest(

@@ -2,6 +2,7 @@
 authentication on the public API, a password on Redis, and no secret in any log."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 
@@ -17,7 +18,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from localstack.stack import LocalStack
+from orchestrator.frame_stream import FrameStream
+from orchestrator.mux_link import MuxLink
+from specdec.frames import client_ssl_context
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+from specdec.registry import PREFIX, ReplicaInfo
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 from tests.e2e.helpers import request
 
@@ -144,6 +149,38 @@ def test_replicas_accept_only_clients_with_a_certificate(secure_stack, pki, kind
         assert code == grpc.StatusCode.UNAVAILABLE
     report = stub_of(tls_channel(address, f["ca"], f["client"], f["client-key"])).Load(replica_pb2.LoadRequest(), timeout=10)
     assert report.pool == kind
+
+
+@pytest.mark.parametrize("kind", ["draft", "target"])
+def test_the_frame_links_are_mutual_tls_too(secure_stack, pki, kind):
+    """The replicas' frame links (the orchestrator's default way to the pools) take the
+    gRPC port's certificates: a client without a certificate, or in plaintext, is refused."""
+    p = pki["paths"]
+    address = next(r.address for r in secure_stack.replicas if r.kind == kind)
+    entry = redis.Redis(port=secure_stack.redis_port, password=REDIS_PASSWORD).get(f"{PREFIX}{kind}:{address}")
+    port = ReplicaInfo.from_json(entry).frame_port
+    assert port > 0
+    pb = replica_pb2
+    method, call_cls, calls_cls, answers = (("ProposeMux", pb.ProposeCall, pb.ProposeCalls, pb.ProposeAnswers)
+                                            if kind == "draft" else
+                                            ("VerifyMux", pb.VerifyCall, pb.VerifyCalls, pb.VerifyAnswers))
+    request = replica_pb2.ProposeRequest() if kind == "draft" else replica_pb2.VerifyRequest()
+
+    async def call(context):
+        link = MuxLink(lambda: FrameStream("127.0.0.1", port, method, answers, kind, context), kind, kind,
+                       call_cls, calls_cls, "frames")
+        try:
+            return await link.call(request, 10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        finally:
+            link.close()
+
+    for context in (None, client_ssl_context(p["ca"])):
+        assert asyncio.run(call(context)) == grpc.StatusCode.UNAVAILABLE
+    # with a certificate the replica answers: here it refuses the empty request as invalid
+    assert asyncio.run(call(client_ssl_context(p["ca"], p["client"], p["client-key"]))) \
+        == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_the_bearer_token_is_required_on_the_public_api(secure_stack, pki):

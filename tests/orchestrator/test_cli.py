@@ -24,7 +24,7 @@ def test_a_setting_from_the_environment_is_checked_like_its_flag(monkeypatch, ca
     with pytest.raises(SystemExit) as exit_:
         main([])
     assert exit_.value.code == 2
-    assert "SPECDEC_INTERNAL_CALLS='carrier-pigeon' is not a choice of --internal-calls (mux, stream, unary)" \
+    assert "SPECDEC_INTERNAL_CALLS='carrier-pigeon' is not a choice of --internal-calls (frames, mux, stream, unary)" \
         in capsys.readouterr().err
 
 

@@ -4,15 +4,18 @@ call's status while the replica keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES, SessionLinks
 from specdec import rounds
 from specdec.internal.v1 import replica_pb2 as rpb
+from specdec.registry import Registry
 
 pytestmark = pytest.mark.e2e
 GREEDY = rpb.SamplingParams(temperature=0.0, top_p=1.0)
@@ -52,7 +55,9 @@ async def decode(links: SessionLinks, draft: str, target: str, prompt: list[int]
 
 
 def links_for(stack, mode: str = "stream") -> tuple[SessionLinks, PoolClients]:
-    pools = PoolClients(registry=None)
+    """Frames: the pools read the replicas' frame ports from the stack's registry."""
+    registry = Registry(aioredis.from_url(stack.redis_url)) if mode == "frames" else None
+    pools = PoolClients(registry=registry, frames=mode == "frames")
     return SessionLinks(pools, mode), pools
 
 
@@ -68,14 +73,17 @@ def test_every_call_mode_answers_round_after_round_alike(local_stack, tokenizer,
             results[mode] = await decode(links, draft, target, prompt, 8, params)
             if mode == "stream":
                 assert links.opened == 2  # one stream to each replica for all 17 calls
-            if mode == "mux":  # the process's shared streams, one per replica
-                assert [pools.mux(k, a).opened for k, a in (("draft", draft), ("target", target))] == [1, 1]
+            if mode in ("mux", "frames"):  # the process's shared streams, one per replica
+                shared = [pools.mux(k, a) for k, a in (("draft", draft), ("target", target))]
+                assert [(s.opened, s.transport) for s in shared] == [(1, "grpc" if mode == "mux" else "frames")] * 2
             await links.close()
             await pools.close()
+            if pools.registry is not None:
+                await pools.registry.redis.aclose()
         return results
 
     results = asyncio.run(both())
-    assert results["stream"] == results["unary"] == results["mux"]
+    assert results["stream"] == results["unary"] == results["mux"] == results["frames"]
     assert sum(n for _, n, _, _ in results["stream"]) > 0  # the rounds did accept draft tokens
 
 
@@ -130,3 +138,30 @@ def test_a_call_past_its_timeout_is_deadline_exceeded_and_drops_the_stream(local
             await pools.close()
 
     asyncio.run(run())
+
+
+def test_frames_mode_goes_over_grpc_to_a_replica_without_a_frame_link(local_stack, tokenizer):
+    """A replica started with --frame-port -1 (or one of a version before the frame link)
+    registers no frame port, and an orchestrator in frames mode calls it over gRPC."""
+    rep = local_stack.start_replica("target", extra=["--frame-port", "-1"])
+    prompt = tokenizer("def tail(xs):\n")["input_ids"]
+
+    async def run():
+        links, pools = links_for(local_stack, "frames")
+        try:
+            sid = "no-frames-" + uuid.uuid4().hex
+            await pools.live("target")
+            first = await links.verify(rep.address, rpb.VerifyRequest(cache=ref(sid, 0, prompt), sampling=GREEDY), 30)
+            assert first.cache_length == len(prompt)
+            assert pools.mux("target", rep.address).transport == "grpc"
+            others = [r for r in await pools.live("target") if r.address != rep.address]
+            assert others and all(r.frame_port > 0 for r in others)  # the stack's own target has one
+        finally:
+            await links.close()
+            await pools.close()
+            await pools.registry.redis.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        local_stack.kill(rep, signal.SIGTERM)  # deregisters on the way out
