@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from orchestrator.mux_link import CODES
 from orchestrator.round_stream import rpc_error
-from specdec.frames import FrameError, frame, hello, parse_status, read_frame
+from specdec.frames import FrameError, frame, hello, keep_alive, parse_status, read_frame
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -40,6 +40,7 @@ class FrameStream:
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot reach {where}: {exc or 'timed out'}") from None
         self._writer = writer
+        keep_alive(writer)
         try:
             writer.write(hello(method))
             await writer.drain()

@@ -11,7 +11,7 @@ from typing import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from specdec.frames import FrameError, frame, read_frame, read_hello, status_frame
+from specdec.frames import FrameError, frame, keep_alive, read_frame, read_hello, status_frame
 from specdec.mux_server import STOPPING, serve_mux
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class FrameServer:
         task = asyncio.current_task()
         self._connections.add(task)
         peer = writer.get_extra_info("peername")
+        keep_alive(writer)
         try:
             method = self.methods.get(await self._hello(reader, writer))
             if method is None:

@@ -7,6 +7,7 @@ token 500 answers after 0.2 s."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 
 import grpc
@@ -18,8 +19,9 @@ from orchestrator.frame_stream import FrameStream
 from orchestrator.mux_link import MuxLink
 from specdec.errors import InvalidRequest
 from specdec.frame_server import FrameServer, MuxMethod
-from specdec.frames import (LENGTH, MAGIC, FrameError, client_ssl_context, frame, hello, read_frame,
-                            server_ssl_context)
+from specdec.frames import (KEEPALIVE_PROBES, LENGTH, MAGIC, FrameError, client_ssl_context, frame, hello,
+                            read_frame, server_ssl_context)
+from specdec.grpc_server import KEEPALIVE_MS
 from specdec.internal.v1 import replica_pb2 as rpb
 from tests.e2e.test_security import issue, make_ca
 
@@ -193,6 +195,33 @@ def test_a_stopping_server_finishes_calls_in_flight_then_refuses():
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         finally:
             link.close()
+            await server.stop(1)
+
+    run(go())
+
+
+def test_both_ends_of_a_link_keep_it_alive_as_grpc_pings_its_channels():
+    accepted = []
+
+    class Watched(FrameServer):
+        async def _serve(self, reader, writer):
+            accepted.append(writer.get_extra_info("socket"))
+            await super()._serve(reader, writer)
+
+    async def go():
+        stopping = asyncio.Event()
+        server = Watched(verify_method(Handler()), stopping)
+        link = link_to(await server.start("127.0.0.1", 0))
+        try:
+            assert (await link.call(req(1), 5)).next_token == 1
+            _, writer = await link._stream._connected
+            for sock in (writer.get_extra_info("socket"), accepted[0]):
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_MS // 1000
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
+        finally:
+            link.close()
+            stopping.set()
             await server.stop(1)
 
     run(go())
