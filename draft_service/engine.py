@@ -81,17 +81,15 @@ class DraftEngine:
             except SpecDecError as exc:
                 results[i] = exc
         feed = {i: torch.tensor(jobs[i].ref.tokens, dtype=torch.long) for i in live}
-        if self._plain_greedy([jobs[i] for i in live]):
-            drafts = self.runner.draft_greedy([ForwardItem(caches[i], feed[i], 1) for i in live],
-                                              [jobs[i].gamma for i in live])
-            if drafts is not None:
-                self.forward_passes += max(jobs[i].gamma for i in live)
-                self.fed_tokens += sum(len(feed[i]) + jobs[i].gamma - 1 for i in live)
-                ms = (time.perf_counter() - t0) * 1000
-                for i, tokens in zip(live, drafts):
-                    results[i] = Proposal(tokens=tokens, q=None, cache_length=caches[i].length, compute_ms=ms,
-                                          batch_size=len(live))
-                return results  # type: ignore[return-value]
+        drafts = self._draft_natively([jobs[i] for i in live], [ForwardItem(caches[i], feed[i], 1) for i in live])
+        if drafts is not None:
+            self.forward_passes += max(jobs[i].gamma for i in live)
+            self.fed_tokens += sum(len(feed[i]) + jobs[i].gamma - 1 for i in live)
+            ms = (time.perf_counter() - t0) * 1000
+            for i, (tokens, q) in zip(live, zip(*drafts)):
+                results[i] = Proposal(tokens=tokens, q=q, cache_length=caches[i].length, compute_ms=ms,
+                                      batch_size=len(live))
+            return results  # type: ignore[return-value]
         drafted = {i: ([], []) for i in live}
         seconds = {i: [] for i in live if jobs[i].runner_ups}
         step = 0
@@ -136,6 +134,32 @@ class DraftEngine:
         """Jobs whose steps need nothing but each row's argmax (greedy, no runner-ups, no
         early stop): the runner can draft them in one native call (ModelRunner.draft_greedy)."""
         return bool(jobs) and all(j.params.greedy and not j.runner_ups and j.stop_below <= 0 for j in jobs)
+
+    def _plain_sampled(self, jobs: list[ProposeJob]) -> bool:
+        """Jobs drawn at one temperature with nothing but the draw at each step (no top-k or
+        top-p to cut the law, no bonus guess, no early stop): the runner can draft them in
+        one native call (ModelRunner.draft_sampled)."""
+        vocab = self.runner.vocab_size
+        return (bool(jobs) and len({j.params.temperature for j in jobs}) == 1
+                and all(not j.params.greedy and (j.params.top_k <= 0 or j.params.top_k >= vocab)
+                        and j.params.top_p >= 1.0 and not j.guess_bonus and j.stop_below <= 0 for j in jobs))
+
+    def _draft_natively(self, jobs: list[ProposeJob], items: list[ForwardItem]):
+        """→ (tokens, q or None) per job from one native call of every step, where the jobs
+        are plain greedy or plain sampled ones and the runner's forward is native; else None
+        (the step loop drafts them). A sampled job's step s draws with its draft-stream
+        uniform at position (its cache's length after that step's feed), as the loop does."""
+        gammas = [j.gamma for j in jobs]
+        if self._plain_greedy(jobs):
+            tokens = self.runner.draft_greedy(items, gammas)
+            return None if tokens is None else (tokens, [None] * len(jobs))
+        if not self._plain_sampled(jobs):
+            return None
+        G = max(gammas)
+        firsts = [it.cache.length + len(it.tokens) for it in items]
+        uniforms = sampling.uniforms_at([j.params.seed for j in jobs for _ in range(G)],
+                                        [p + s for p in firsts for s in range(G)], sampling.STREAM_DRAFT)
+        return self.runner.draft_sampled(items, gammas, jobs[0].params.temperature, uniforms.view(len(jobs), G))
 
     @staticmethod
     def _goes_on(job: ProposeJob, step: int, top: float | None) -> bool:

@@ -362,17 +362,39 @@ class ModelRunner:
         their items' tokens and all but the last drafted token, as a step-by-step loop
         leaves them. None where the whole forward is not native for every row count the
         steps take (then the caller steps itself)."""
+        tokens = self._draft_natively(items, gammas, lambda *args: self._whole.draft_greedy(*args))
+        return None if tokens is None else [row[:g] for row, g in zip(tokens.tolist(), gammas)]
+
+    @torch.inference_mode()
+    def draft_sampled(self, items: list[ForwardItem], gammas: list[int], temperature: float,
+                      uniforms: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]] | None:
+        """Sampled drafting at one temperature (no top-k, no top-p), every step in one native
+        call (PackedModel.draft_sampled): per step the logits ÷ temperature, softmax, rounded
+        to fp16 (wire.quantize), and item i's token drawn from those at uniforms[i, step]
+        (sampling.sample_from), as DraftEngine's step loop draws, to the bit. → (tokens, q
+        [γ_i, vocab] float32) per item, caches as `draft_greedy` leaves them; None where the
+        whole forward is not native (then the caller steps itself)."""
+        out = self._draft_natively(items, gammas, lambda *args: self._whole.draft_sampled(
+            *args, float(temperature), uniforms))
+        if out is None:
+            return None
+        tokens, q = out
+        return [row[:g] for row, g in zip(tokens.tolist(), gammas)], [q[i, :g] for i, g in enumerate(gammas)]
+
+    def _draft_natively(self, items: list[ForwardItem], gammas: list[int], call):
+        """`call`(ids, caches, starts, lengths, gammas) for a native draft of every step, with
+        room reserved in the caches and their lengths set after; None where the whole
+        forward is not native for every row count the steps take."""
         lengths = [int(it.tokens.shape[0]) for it in items]
         if not items or not self._whole_takes(sum(lengths), *range(1, len(items) + 1)):
             return None
         starts = [it.cache.length for it in items]
         for it, s, n, g in zip(items, starts, lengths, gammas):
             it.cache.reserve(s + n + g - 1)
-        tokens = self._whole.draft_greedy(_packed_ids(items), [it.cache.kv for it in items], starts, lengths,
-                                          gammas).tolist()
+        out = call(_packed_ids(items), [it.cache.kv for it in items], starts, lengths, gammas)
         for it, s, n, g in zip(items, starts, lengths, gammas):
             it.cache.length = s + n + g - 1
-        return [row[:g] for row, g in zip(tokens, gammas)]
+        return out
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))

@@ -24,3 +24,5 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void bind_packed_model(pybind11::module& m);
 // sample_rows.cpp
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
+// one row's inverse-CDF draw, as sample_rows draws each (cdf: scratch of at least vocab)
+int64_t draw_probability_row(const float* p, int64_t vocab, double u, std::vector<double>& cdf);

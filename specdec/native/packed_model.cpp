@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -86,6 +87,66 @@ class PackedModel {
     return half_linear(rms_norm(last, final_norm_, eps_), head_, vocab_, c10::nullopt);
   }
 
+  // A sampled draft of gammas[b] tokens per item, all steps in this one call, as DraftEngine's
+  // step loop draws at one temperature with no top-k or top-p: each step's logits divided by
+  // the temperature (where it is not 1), softmax, rounded to fp16 (wire.quantize: what the
+  // target will be sent), and the token drawn from those values with uniforms[b, step]
+  // (sampling.sample_from's draw). The same ATen operators on the same rows, and the same
+  // draw, so the tokens and q are the loop's to the bit. Caches as `draft_greedy` leaves
+  // them. → ([B, max γ] int64 tokens, [B, max γ, vocab] float32 q), row b's first gammas[b].
+  std::tuple<torch::Tensor, torch::Tensor> draft_sampled(torch::Tensor ids, std::vector<torch::Tensor> caches,
+                                                         std::vector<int64_t> starts, std::vector<int64_t> lengths,
+                                                         std::vector<int64_t> gammas, double temperature,
+                                                         torch::Tensor uniforms) {
+    const int64_t B = static_cast<int64_t>(caches.size());
+    TORCH_CHECK(static_cast<int64_t>(gammas.size()) == B, "PackedModel.draft_sampled: one γ per item");
+    TORCH_CHECK(temperature > 0, "PackedModel.draft_sampled: the temperature must be positive");
+    int64_t G = 0;
+    for (int64_t g : gammas) {
+      TORCH_CHECK(g >= 1, "PackedModel.draft_sampled: every item drafts at least one token");
+      G = std::max(G, g);
+    }
+    TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) >= G &&
+                    uniforms.scalar_type() == torch::kFloat64,
+                "PackedModel.draft_sampled: uniforms must be float64 [items, max γ]");
+    uniforms = uniforms.contiguous();
+    const double* us = uniforms.data_ptr<double>();
+    const int64_t ustride = uniforms.size(1);
+    auto out = torch::zeros({B, G}, torch::kLong);
+    auto q_out = torch::zeros({B, G, vocab_}, torch::kFloat32);
+    int64_t* tokens = out.data_ptr<int64_t>();
+    float* q = q_out.data_ptr<float>();
+    std::vector<double> cdf(vocab_);
+    std::vector<int64_t> live(B);
+    for (int64_t b = 0; b < B; b++) live[b] = b;
+    for (int64_t step = 0; step < G && !live.empty(); step++) {
+      std::vector<torch::Tensor> step_caches;
+      for (int64_t b : live) step_caches.push_back(caches[b]);
+      auto logits = forward(ids, step_caches, starts, lengths, std::vector<int64_t>(live.size(), 1));
+      if (temperature != 1.0) logits = logits.div(temperature);
+      const auto q16 = torch::softmax(logits, -1).to(torch::kHalf).to(torch::kFloat).contiguous();
+      const float* rows = q16.data_ptr<float>();
+      std::vector<int64_t> next_live, next_starts, next_tokens;
+      for (size_t r = 0; r < live.size(); r++) {
+        const float* row = rows + r * vocab_;
+        const int64_t b = live[r];
+        std::memcpy(q + (b * G + step) * vocab_, row, vocab_ * sizeof(float));
+        const int64_t token = draw_probability_row(row, vocab_, us[b * ustride + step], cdf);
+        tokens[b * G + step] = token;
+        if (step + 1 < gammas[b]) {
+          next_live.push_back(b);
+          next_starts.push_back(starts[r] + lengths[r]);
+          next_tokens.push_back(token);
+        }
+      }
+      live = std::move(next_live);
+      starts = std::move(next_starts);
+      lengths.assign(live.size(), 1);
+      ids = torch::tensor(next_tokens, torch::kLong);
+    }
+    return {out, q_out};
+  }
+
   // A greedy draft of gammas[b] tokens per item, all steps in this one call: step 0 feeds
   // each item's ids (as `forward`), every later step the argmax of the step before, while
   // the item has tokens left to draft (its last token is not fed: the draft's cache then
@@ -149,5 +210,8 @@ void bind_packed_model(pybind11::module& m) {
       .def("forward", &PackedModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the items' tokens through the model → their logits rows (without the GIL, as bindings.cpp's kernels)")
       .def("draft_greedy", &PackedModel::draft_greedy, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "a greedy draft of γ tokens per item, every step in this call → [B, max γ] tokens");
+           "a greedy draft of γ tokens per item, every step in this call → [B, max γ] tokens")
+      .def("draft_sampled", &PackedModel::draft_sampled, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "a sampled draft of γ tokens per item at one temperature, every step in this call → "
+           "([B, max γ] tokens, [B, max γ, vocab] fp16-rounded q)");
 }

@@ -13,8 +13,6 @@
 
 #include "kernels.h"
 
-namespace {
-
 template <typename T>
 int64_t draw_row(const T* p, int64_t vocab, double u, std::vector<double>& cdf) {
   double running = 0.0;  // one dependent chain of adds: the draw's whole cost
@@ -33,7 +31,9 @@ int64_t draw_row(const T* p, int64_t vocab, double u, std::vector<double>& cdf) 
   return index;
 }
 
-}  // namespace
+int64_t draw_probability_row(const float* p, int64_t vocab, double u, std::vector<double>& cdf) {
+  return draw_row(p, vocab, u, cdf);
+}
 
 // probs [..., vocab] float32 or float64 (need not sum to 1), u [...] uniforms in [0, 1)
 // → [...] int64 tokens. Shapes, layout and u's type are settled here rather than by
