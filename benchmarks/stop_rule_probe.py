@@ -47,6 +47,7 @@ class RecordingDraft:
 
     def __init__(self, engine: DraftEngine, temperature: float) -> None:
         self.engine, self.runner, self.temperature = engine, engine.runner, temperature
+        engine.native_drafts = False  # every step through forward_packed, where it is recorded
         self.steps: list[torch.Tensor] = []
         forward = engine.runner.forward_packed
 

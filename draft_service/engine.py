@@ -54,6 +54,9 @@ class DraftEngine:
         self.sessions = SessionTable(runner, max_sessions, max_cache_bytes)
         self.forward_passes = 0
         self.fed_tokens = 0
+        # plain proposals' steps in one native call where the runner can (`_draft_natively`);
+        # off, every proposal runs the step loop (a probe that watches each step's logits)
+        self.native_drafts = True
 
     def propose(self, jobs: list[ProposeJob]) -> list[Proposal | SpecDecError]:
         """One batch of proposals; a bad job gets its error back and the rest go on."""
@@ -149,6 +152,8 @@ class DraftEngine:
         are plain greedy or plain sampled ones and the runner's forward is native; else None
         (the step loop drafts them). A sampled job's step s draws with its draft-stream
         uniform at position (its cache's length after that step's feed), as the loop does."""
+        if not self.native_drafts:
+            return None
         gammas = [j.gamma for j in jobs]
         if self._plain_greedy(jobs):
             tokens = self.runner.draft_greedy(items, gammas)
