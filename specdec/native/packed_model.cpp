@@ -98,53 +98,31 @@ class PackedModel {
                                                          std::vector<int64_t> starts, std::vector<int64_t> lengths,
                                                          std::vector<int64_t> gammas, double temperature,
                                                          torch::Tensor uniforms) {
-    const int64_t B = static_cast<int64_t>(caches.size());
-    TORCH_CHECK(static_cast<int64_t>(gammas.size()) == B, "PackedModel.draft_sampled: one γ per item");
     TORCH_CHECK(temperature > 0, "PackedModel.draft_sampled: the temperature must be positive");
-    int64_t G = 0;
-    for (int64_t g : gammas) {
-      TORCH_CHECK(g >= 1, "PackedModel.draft_sampled: every item drafts at least one token");
-      G = std::max(G, g);
-    }
+    const int64_t B = static_cast<int64_t>(caches.size()), G = longest_draft(gammas, B, "draft_sampled");
     TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) >= G &&
                     uniforms.scalar_type() == torch::kFloat64,
                 "PackedModel.draft_sampled: uniforms must be float64 [items, max γ]");
     uniforms = uniforms.contiguous();
     const double* us = uniforms.data_ptr<double>();
     const int64_t ustride = uniforms.size(1);
-    auto out = torch::zeros({B, G}, torch::kLong);
     auto q_out = torch::zeros({B, G, vocab_}, torch::kFloat32);
-    int64_t* tokens = out.data_ptr<int64_t>();
     float* q = q_out.data_ptr<float>();
     std::vector<double> cdf(vocab_);
-    std::vector<int64_t> live(B);
-    for (int64_t b = 0; b < B; b++) live[b] = b;
-    for (int64_t step = 0; step < G && !live.empty(); step++) {
-      std::vector<torch::Tensor> step_caches;
-      for (int64_t b : live) step_caches.push_back(caches[b]);
-      auto logits = forward(ids, step_caches, starts, lengths, std::vector<int64_t>(live.size(), 1));
+    auto tokens = draft_steps(ids, caches, starts, lengths, gammas, G,
+                              [&](torch::Tensor logits, const std::vector<int64_t>& live, int64_t step) {
       if (temperature != 1.0) logits = logits.div(temperature);
       const auto q16 = torch::softmax(logits, -1).to(torch::kHalf).to(torch::kFloat).contiguous();
       const float* rows = q16.data_ptr<float>();
-      std::vector<int64_t> next_live, next_starts, next_tokens;
+      std::vector<int64_t> drawn(live.size());
       for (size_t r = 0; r < live.size(); r++) {
         const float* row = rows + r * vocab_;
-        const int64_t b = live[r];
-        std::memcpy(q + (b * G + step) * vocab_, row, vocab_ * sizeof(float));
-        const int64_t token = draw_probability_row(row, vocab_, us[b * ustride + step], cdf);
-        tokens[b * G + step] = token;
-        if (step + 1 < gammas[b]) {
-          next_live.push_back(b);
-          next_starts.push_back(starts[r] + lengths[r]);
-          next_tokens.push_back(token);
-        }
+        std::memcpy(q + (live[r] * G + step) * vocab_, row, vocab_ * sizeof(float));
+        drawn[r] = draw_probability_row(row, vocab_, us[live[r] * ustride + step], cdf);
       }
-      live = std::move(next_live);
-      starts = std::move(next_starts);
-      lengths.assign(live.size(), 1);
-      ids = torch::tensor(next_tokens, torch::kLong);
-    }
-    return {out, q_out};
+      return drawn;
+    });
+    return {tokens, q_out};
   }
 
   // A greedy draft of gammas[b] tokens per item, all steps in this one call: step 0 feeds
@@ -155,13 +133,38 @@ class PackedModel {
   // entries its tokens, each a row's first maximum (numpy's and torch's argmax).
   torch::Tensor draft_greedy(torch::Tensor ids, std::vector<torch::Tensor> caches, std::vector<int64_t> starts,
                              std::vector<int64_t> lengths, std::vector<int64_t> gammas) {
-    const int64_t B = static_cast<int64_t>(caches.size());
-    TORCH_CHECK(static_cast<int64_t>(gammas.size()) == B, "PackedModel.draft_greedy: one γ per item");
+    const int64_t G = longest_draft(gammas, static_cast<int64_t>(caches.size()), "draft_greedy");
+    return draft_steps(ids, caches, starts, lengths, gammas, G,
+                       [&](torch::Tensor logits, const std::vector<int64_t>& live, int64_t) {
+      const float* l = logits.data_ptr<float>();
+      std::vector<int64_t> best(live.size(), 0);
+      for (size_t r = 0; r < live.size(); r++) {
+        const float* row = l + r * vocab_;
+        for (int64_t v = 1; v < vocab_; v++)
+          if (row[v] > row[best[r]]) best[r] = v;
+      }
+      return best;
+    });
+  }
+
+ private:
+  static int64_t longest_draft(const std::vector<int64_t>& gammas, int64_t items, const char* name) {
+    TORCH_CHECK(static_cast<int64_t>(gammas.size()) == items, "PackedModel.", name, ": one γ per item");
     int64_t G = 0;
     for (int64_t g : gammas) {
-      TORCH_CHECK(g >= 1, "PackedModel.draft_greedy: every item drafts at least one token");
+      TORCH_CHECK(g >= 1, "PackedModel.", name, ": every item drafts at least one token");
       G = std::max(G, g);
     }
+    return G;
+  }
+
+  // The steps of a draft: step 0 feeds each item's ids, every later step the token `pick`
+  // chose for it (pick(logits [live, vocab], live items, step) → one token per live row),
+  // while the item has tokens left to draft. → [B, G] int64 tokens.
+  template <typename Pick>
+  torch::Tensor draft_steps(torch::Tensor ids, const std::vector<torch::Tensor>& caches, std::vector<int64_t> starts,
+                            std::vector<int64_t> lengths, const std::vector<int64_t>& gammas, int64_t G, Pick pick) {
+    const int64_t B = static_cast<int64_t>(caches.size());
     auto out = torch::zeros({B, G}, torch::kLong);
     int64_t* tokens = out.data_ptr<int64_t>();
     std::vector<int64_t> live(B);
@@ -170,19 +173,15 @@ class PackedModel {
       std::vector<torch::Tensor> step_caches;
       for (int64_t b : live) step_caches.push_back(caches[b]);
       const auto logits = forward(ids, step_caches, starts, lengths, std::vector<int64_t>(live.size(), 1));
-      const float* l = logits.data_ptr<float>();
+      const auto chosen = pick(logits, live, step);
       std::vector<int64_t> next_live, next_starts, next_tokens;
       for (size_t r = 0; r < live.size(); r++) {
-        const float* row = l + r * vocab_;
-        int64_t best = 0;
-        for (int64_t v = 1; v < vocab_; v++)
-          if (row[v] > row[best]) best = v;
         const int64_t b = live[r];
-        tokens[b * G + step] = best;
+        tokens[b * G + step] = chosen[r];
         if (step + 1 < gammas[b]) {
           next_live.push_back(b);
           next_starts.push_back(starts[r] + lengths[r]);
-          next_tokens.push_back(best);
+          next_tokens.push_back(chosen[r]);
         }
       }
       live = std::move(next_live);
@@ -193,7 +192,6 @@ class PackedModel {
     return out;
   }
 
- private:
   torch::Tensor embed_, cos_, sin_;
   std::vector<std::vector<torch::Tensor>> layers_;
   std::vector<int64_t> qkv_out_, gate_up_out_;

@@ -3,16 +3,11 @@ authentication on the public API, a password on Redis, and no secret in any log.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 
 import grpc
 import pytest
 import redis
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -25,68 +20,23 @@ from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.registry import PREFIX, ReplicaInfo
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 from tests.e2e.helpers import request
+from tests.pki import make_ca, write_pki
 
 pytestmark = pytest.mark.e2e
 TOKEN = "s3cret-token-for-tests"
 REDIS_PASSWORD = "redis-pass-for-tests"
 
 
-# ----------------------------------------------------------------------------- certificates
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
-            .public_key(public_key).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
-
-
-def make_ca(cn: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (_builder(_name(cn), _name(cn), key.public_key())
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
-    return key, cert
-
-
-def issue(ca, cn: str, usage) -> tuple[bytes, bytes]:
-    """→ (certificate PEM, key PEM) signed by the CA, valid for 127.0.0.1 and localhost."""
-    ca_key, ca_cert = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (_builder(_name(cn), ca_cert.subject, key.public_key())
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
-    ca = make_ca("specdec test CA")
-    files = {"ca": ca[1].public_bytes(serialization.Encoding.PEM)}
-    files["server"], files["server-key"] = issue(ca, "specdec server", ExtendedKeyUsageOID.SERVER_AUTH)
-    files["client"], files["client-key"] = issue(ca, "specdec orchestrator", ExtendedKeyUsageOID.CLIENT_AUTH)
+    files, paths = write_pki(d)
     files["other-ca"] = make_ca("some other CA")[1].public_bytes(serialization.Encoding.PEM)
-    paths = {}
-    for name, data in files.items():
-        paths[name] = d / f"{name}.pem"
-        paths[name].write_bytes(data)
+    (d / "other-ca.pem").write_bytes(files["other-ca"])
+    paths["other-ca"] = str(d / "other-ca.pem")
     (d / "token").write_text(TOKEN + "\n")
-    paths["token"] = d / "token"
-    return {"files": files, "paths": {k: str(v) for k, v in paths.items()}}
+    paths["token"] = str(d / "token")
+    return {"files": files, "paths": paths}
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ import ssl
 
 import grpc
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from orchestrator.frame_stream import FrameStream
 from orchestrator.mux_link import MuxLink
@@ -23,7 +21,7 @@ from specdec.frames import (KEEPALIVE_PROBES, LENGTH, MAGIC, FrameError, client_
                             read_frame, server_ssl_context)
 from specdec.grpc_server import KEEPALIVE_MS
 from specdec.internal.v1 import replica_pb2 as rpb
-from tests.e2e.test_security import issue, make_ca
+from tests.pki import write_pki
 
 SLOW = 999
 LATE = 500  # answered after 0.2 s
@@ -247,14 +245,7 @@ def test_read_frame_tells_a_clean_end_from_a_cut_one():
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("frame-pki")
-    ca = make_ca("frame link test CA")
-    files = {"ca": ca[1].public_bytes(serialization.Encoding.PEM)}
-    files["server"], files["server-key"] = issue(ca, "replica", ExtendedKeyUsageOID.SERVER_AUTH)
-    files["client"], files["client-key"] = issue(ca, "orchestrator", ExtendedKeyUsageOID.CLIENT_AUTH)
-    for name, data in files.items():
-        (d / f"{name}.pem").write_bytes(data)
-    return {name: str(d / f"{name}.pem") for name in files}
+    return write_pki(tmp_path_factory.mktemp("frame-pki"), "frame link")[1]
 
 
 def test_mutual_tls_admits_only_clients_with_a_certificate(certs):
