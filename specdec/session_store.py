@@ -37,6 +37,14 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+# A session's lock released by its owner only, in one step: a GET then a DEL could delete a
+# lock another call took after this one's expired. KEYS: the lock; ARGV: the owner.
+UNLOCK_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 @dataclass
@@ -72,6 +80,7 @@ class SessionStore:
         self.commit_retry_seconds = commit_retry_seconds  # rides out a Redis restart mid-stream
         # EVALSHA, loading the script again after a Redis restart forgot it (NOSCRIPT)
         self._commit_script = client.register_script(COMMIT_SCRIPT)
+        self._unlock_script = client.register_script(UNLOCK_SCRIPT)
 
     @staticmethod
     def new_id() -> str:
@@ -127,11 +136,15 @@ class SessionStore:
         return self._commit(list(self._keys(handle.session_id)), args)
 
     async def _commit(self, keys: list[str], args: list) -> None:
+        await self._retrying(self._commit_script, keys, args)
+
+    async def _retrying(self, script, keys: list[str], args: list):
+        """The script's answer, retried with backoff while Redis is unreachable, for up to
+        commit_retry_seconds (then Unavailable): every script here may run twice."""
         give_up, delay = time.monotonic() + self.commit_retry_seconds, 0.05
         while True:
             try:
-                await self._commit_script(keys=keys, args=args)
-                return
+                return await script(keys=keys, args=args)
             except RedisError as exc:
                 if time.monotonic() + delay > give_up:
                     raise Unavailable(f"Redis is unavailable: {exc}") from exc
@@ -156,12 +169,14 @@ class SessionStore:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
     async def unlock(self, session_id: str, owner: str) -> None:
-        key = PREFIX + session_id + ":lock"
+        """Release the lock if this owner still holds it. Retried like a commit: a lock left
+        behind by a Redis blip at the end of a call would refuse the session's next call
+        (RESOURCE_EXHAUSTED) until it expired, minutes later. Where Redis stays away past
+        the retries it expires by itself."""
         try:
-            if await self.redis.get(key) == owner.encode():
-                await self.redis.delete(key)
-        except RedisError:
-            pass  # the lock expires by itself
+            await self._retrying(self._unlock_script, [PREFIX + session_id + ":lock"], [owner])
+        except Unavailable:
+            pass
 
     async def session_ids(self) -> list[str]:
         ids = []

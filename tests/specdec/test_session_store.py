@@ -62,3 +62,27 @@ def test_commit_goes_on_after_redis_restarts(redis_server):
         await client.aclose()
 
     asyncio.run(go())
+
+
+def test_a_lock_is_released_by_its_owner_only_and_across_a_redis_blip(redis_server):
+    """unlock retries while Redis is away: a lock left behind at the end of a call would
+    refuse the session's next call until it expired (the e2e Redis restart found one)."""
+    async def go():
+        client, store, _ = await _new_session(redis_server.url)
+        assert await store.try_lock("s1", "call-a")
+        assert not await store.try_lock("s1", "call-b")  # one generation at a time
+        await store.unlock("s1", "call-b")  # not the owner: the lock stays
+        assert not await store.try_lock("s1", "call-b")
+        redis_server.stop()
+
+        async def back_in(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+            redis_server.start()  # same port and directory: the append-only file keeps the lock
+
+        restart = asyncio.create_task(back_in(0.5))
+        await store.unlock("s1", "call-a")  # issued while Redis is down
+        await restart
+        assert await store.try_lock("s1", "call-b")  # released, not left to expire
+        await client.aclose()
+
+    asyncio.run(go())
