@@ -22,9 +22,9 @@ from specdec.registry import Registry, ReplicaInfo
 REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 CACHE_LOST = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
-# per pool: the multiplexed RPC and the messages of its calls
-MUX_RPCS = {"draft": ("ProposeMux", replica_pb2.ProposeCall, replica_pb2.ProposeCalls),
-            "target": ("VerifyMux", replica_pb2.VerifyCall, replica_pb2.VerifyCalls)}
+# per pool: the multiplexed RPC, the messages of its calls and of its answers
+MUX_RPCS = {"draft": ("ProposeMux", replica_pb2.ProposeCall, replica_pb2.ProposeCalls, replica_pb2.ProposeAnswers),
+            "target": ("VerifyMux", replica_pb2.VerifyCall, replica_pb2.VerifyCalls, replica_pb2.VerifyAnswers)}
 
 
 class PoolClients:
@@ -76,13 +76,12 @@ class PoolClients:
         """This process's one multiplexed stream to the replica, for every generation."""
         link = self._mux.get((kind, address))
         if link is None:
-            method, call_cls, calls_cls = MUX_RPCS[kind]
+            method, call_cls, calls_cls, answers_cls = MUX_RPCS[kind]
             name = f"{kind} replica {address}"
             port = self._frame_ports.get(address, 0) if self.frames else 0
             transport = "frames" if port > 0 else "grpc"
             if port > 0:
                 host = address.rsplit(":", 1)[0].strip("[]")
-                answers_cls = replica_pb2.ProposeAnswers if kind == "draft" else replica_pb2.VerifyAnswers
                 opener = lambda: FrameStream(host, port, method, answers_cls, name,  # noqa: E731
                                              self.ssl_context, self.tls_server_name)
             else:

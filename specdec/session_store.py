@@ -133,10 +133,7 @@ class SessionStore:
         args = [offset, _tokens_bytes(new_tokens), self.ttl]
         for field_value in _meta(handle).items():
             args.extend(field_value)
-        return self._commit(list(self._keys(handle.session_id)), args)
-
-    async def _commit(self, keys: list[str], args: list) -> None:
-        await self._retrying(self._commit_script, keys, args)
+        return self._retrying(self._commit_script, list(self._keys(handle.session_id)), args)
 
     async def _retrying(self, script, keys: list[str], args: list):
         """The script's answer, retried with backoff while Redis is unreachable, for up to
