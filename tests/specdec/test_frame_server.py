@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from contextlib import asynccontextmanager, closing
 
 import grpc
 import pytest
@@ -62,10 +63,17 @@ def req(*tokens: int) -> rpb.VerifyRequest:
     return rpb.VerifyRequest(draft_tokens=list(tokens))
 
 
-async def started(handler, ssl_context=None) -> tuple[FrameServer, int, asyncio.Event]:
+@asynccontextmanager
+async def serving(handler, ssl_context=None, server_cls=FrameServer):
+    """A frame server on a free loopback port for the block: → (its port, its stopping
+    event); stopped after."""
     stopping = asyncio.Event()
-    server = FrameServer(verify_method(handler), stopping, ssl_context)
-    return server, await server.start("127.0.0.1", 0), stopping
+    server = server_cls(verify_method(handler), stopping, ssl_context)
+    try:
+        yield await server.start("127.0.0.1", 0), stopping
+    finally:
+        stopping.set()
+        await server.stop(1)
 
 
 def run(coro):
@@ -74,37 +82,28 @@ def run(coro):
 
 def test_concurrent_calls_share_the_link_and_each_gets_its_own_answer():
     async def go():
-        server, port, stopping = await started(Handler())
-        link = link_to(port)
-        try:
-            answers = await asyncio.gather(*(link.call(req(i, i + 1), 5) for i in range(40)))
-            assert [(a.next_token, a.cache_length) for a in answers] == [(2 * i + 1, 2) for i in range(40)]
-            assert link.opened == 1
-            assert link.messages < 40  # the calls of one moment went out together
-        finally:
-            link.close()
-            stopping.set()
-            await server.stop(1)
+        async with serving(Handler()) as (port, _):
+            with closing(link_to(port)) as link:
+                answers = await asyncio.gather(*(link.call(req(i, i + 1), 5) for i in range(40)))
+                assert [(a.next_token, a.cache_length) for a in answers] == [(2 * i + 1, 2) for i in range(40)]
+                assert link.opened == 1
+                assert link.messages < 40  # the calls of one moment went out together
 
     run(go())
 
 
 def test_a_refusal_fails_only_its_call_and_the_link_keeps_serving():
     async def go():
-        server, port, stopping = await started(Handler())
-        link = link_to(port)
-        try:
-            bad, good = await asyncio.gather(link.call(req(3, -1), 5), link.call(req(4), 5), return_exceptions=True)
-            assert isinstance(bad, grpc.aio.AioRpcError)
-            assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "draft token -1 is negative" in bad.details()
-            assert good.next_token == 4
-            assert (await link.call(req(5), 5)).next_token == 5
-            assert link.opened == 1
-        finally:
-            link.close()
-            stopping.set()
-            await server.stop(1)
+        async with serving(Handler()) as (port, _):
+            with closing(link_to(port)) as link:
+                bad, good = await asyncio.gather(link.call(req(3, -1), 5), link.call(req(4), 5),
+                                                 return_exceptions=True)
+                assert isinstance(bad, grpc.aio.AioRpcError)
+                assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "draft token -1 is negative" in bad.details()
+                assert good.next_token == 4
+                assert (await link.call(req(5), 5)).next_token == 5
+                assert link.opened == 1
 
     run(go())
 
@@ -112,53 +111,41 @@ def test_a_refusal_fails_only_its_call_and_the_link_keeps_serving():
 def test_a_call_past_its_timeout_is_deadline_exceeded_and_the_replica_drops_its_work():
     async def go():
         handler = Handler()
-        server, port, stopping = await started(handler)
-        link = link_to(port)
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await link.call(req(SLOW), 0.2)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(100):  # the cancel travels to the replica
-                if handler.cancelled:
-                    break
-                await asyncio.sleep(0.01)
-            assert handler.cancelled == 1
-            assert (await link.call(req(6), 5)).next_token == 6
-        finally:
-            link.close()
-            stopping.set()
-            await server.stop(1)
+        async with serving(handler) as (port, _):
+            with closing(link_to(port)) as link:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await link.call(req(SLOW), 0.2)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                for _ in range(100):  # the cancel travels to the replica
+                    if handler.cancelled:
+                        break
+                    await asyncio.sleep(0.01)
+                assert handler.cancelled == 1
+                assert (await link.call(req(6), 5)).next_token == 6
 
     run(go())
 
 
 def test_the_wrong_method_or_a_closed_port_is_refused_with_a_status():
     async def go():
-        server, port, stopping = await started(Handler())
-        try:
-            wrong = link_to(port, "ProposeMux")
+        async with serving(Handler()) as (port, _):
+            with closing(link_to(port, "ProposeMux")) as wrong:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await wrong.call(req(1), 5)
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "serves VerifyMux" in err.value.details()
+        with closing(link_to(port)) as closed:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await wrong.call(req(1), 5)
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            assert "serves VerifyMux" in err.value.details()
-            wrong.close()
-        finally:
-            stopping.set()
-            await server.stop(1)
-        closed = link_to(port)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await closed.call(req(1), 5)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "cannot reach target replica" in err.value.details()
-        closed.close()
+                await closed.call(req(1), 5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "cannot reach target replica" in err.value.details()
 
     run(go())
 
 
 def test_garbage_on_the_port_is_dropped_and_the_server_keeps_serving():
     async def go():
-        server, port, stopping = await started(Handler())
-        try:
+        async with serving(Handler()) as (port, _):
             for junk in (b"GET / HTTP/1.1\r\n\r\n", frame(b"not a hello"),
                          hello("VerifyMux") + LENGTH.pack(2**31)):  # a frame over the limit
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -167,12 +154,8 @@ def test_garbage_on_the_port_is_dropped_and_the_server_keeps_serving():
                 rest = await asyncio.wait_for(reader.read(), 5)  # the server closes the connection
                 assert rest in (b"", frame(b"\x00"))  # at most the hello's go-ahead came first
                 writer.close()
-            link = link_to(port)
-            assert (await link.call(req(7, 8), 5)).next_token == 15
-            link.close()
-        finally:
-            stopping.set()
-            await server.stop(1)
+            with closing(link_to(port)) as link:
+                assert (await link.call(req(7, 8), 5)).next_token == 15
 
     run(go())
 
@@ -180,20 +163,16 @@ def test_garbage_on_the_port_is_dropped_and_the_server_keeps_serving():
 def test_a_stopping_server_finishes_calls_in_flight_then_refuses():
     async def go():
         handler = Handler()
-        server, port, stopping = await started(handler)
-        link = link_to(port)
-        try:
-            assert (await link.call(req(1), 5)).next_token == 1
-            in_flight = asyncio.ensure_future(link.call(req(LATE, 3), 5))
-            await asyncio.wait_for(handler.started_late.wait(), 5)
-            stopping.set()
-            assert (await in_flight).next_token == LATE + 3  # answered before the link ended
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # then the link ended, and a new
-                await link.call(req(4), 5)  # one is refused at hello
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        finally:
-            link.close()
-            await server.stop(1)
+        async with serving(handler) as (port, stopping):
+            with closing(link_to(port)) as link:
+                assert (await link.call(req(1), 5)).next_token == 1
+                in_flight = asyncio.ensure_future(link.call(req(LATE, 3), 5))
+                await asyncio.wait_for(handler.started_late.wait(), 5)
+                stopping.set()
+                assert (await in_flight).next_token == LATE + 3  # answered before the link ended
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # then the link ended, and a new
+                    await link.call(req(4), 5)  # one is refused at hello
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
     run(go())
 
@@ -207,20 +186,14 @@ def test_both_ends_of_a_link_keep_it_alive_as_grpc_pings_its_channels():
             await super()._serve(reader, writer)
 
     async def go():
-        stopping = asyncio.Event()
-        server = Watched(verify_method(Handler()), stopping)
-        link = link_to(await server.start("127.0.0.1", 0))
-        try:
-            assert (await link.call(req(1), 5)).next_token == 1
-            _, writer = await link._stream._connected
-            for sock in (writer.get_extra_info("socket"), accepted[0]):
-                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_MS // 1000
-                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
-        finally:
-            link.close()
-            stopping.set()
-            await server.stop(1)
+        async with serving(Handler(), server_cls=Watched) as (port, _):
+            with closing(link_to(port)) as link:
+                assert (await link.call(req(1), 5)).next_token == 1
+                _, writer = await link._stream._connected
+                for sock in (writer.get_extra_info("socket"), accepted[0]):
+                    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_MS // 1000
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
 
     run(go())
 
@@ -250,21 +223,16 @@ def certs(tmp_path_factory):
 
 def test_mutual_tls_admits_only_clients_with_a_certificate(certs):
     async def go():
-        server, port, stopping = await started(Handler(), server_ssl_context(certs["server"], certs["server-key"],
-                                                                             certs["ca"]))
-        try:
-            ok = link_to(port, ssl_context=client_ssl_context(certs["ca"], certs["client"], certs["client-key"]))
-            assert (await ok.call(req(2, 2), 5)).next_token == 4
-            ok.close()
+        async with serving(Handler(), server_ssl_context(certs["server"], certs["server-key"], certs["ca"])) \
+                as (port, _):
+            ok = client_ssl_context(certs["ca"], certs["client"], certs["client-key"])
+            with closing(link_to(port, ssl_context=ok)) as link:
+                assert (await link.call(req(2, 2), 5)).next_token == 4
             for context in (client_ssl_context(certs["ca"]), None):  # no certificate; plaintext
-                refused = link_to(port, ssl_context=context)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await refused.call(req(1), 5)
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                refused.close()
-        finally:
-            stopping.set()
-            await server.stop(1)
+                with closing(link_to(port, ssl_context=context)) as refused:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await refused.call(req(1), 5)
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
     run(go())
 
