@@ -33,8 +33,9 @@ import torch
 
 from specdec import native
 
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1  # seeds are hashed as unsigned 64-bit integers
 STREAM_BONUS, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESAMPLE = 0, 1, 2, 3
+MASS_LANES = 16  # residual masses are summed in this many interleaved lanes (lane_sums)
 VECTOR_FROM = 16  # uniforms_at hashes this many or more at once in numpy
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
 RULES = ("block", "token")  # how sampled drafts are verified; greedy is the same under both
@@ -58,9 +59,9 @@ class SamplingParams:
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
@@ -72,7 +73,7 @@ def uniform(seed: int, position: int, stream: int) -> float:
     position's number in a stream is consumed at most once by the output, which keeps the
     draws independent of everything already committed.
     """
-    h = _splitmix64((seed & _MASK64) ^ _splitmix64(position * 4 + stream))
+    h = _splitmix64((seed & MASK64) ^ _splitmix64(position * 4 + stream))
     return (h >> 11) * (1.0 / (1 << 53))
 
 
@@ -94,7 +95,7 @@ def uniforms_at(seeds: Sequence[int], positions: Sequence[int], stream: int) -> 
     positions = list(positions)
     if len(positions) < VECTOR_FROM:
         return torch.tensor([uniform(s, p, stream) for s, p in zip(seeds, positions)], dtype=torch.float64)
-    seed = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
+    seed = np.array([s & MASK64 for s in seeds], dtype=np.uint64)
     counter = np.asarray(positions, dtype=np.uint64) * np.uint64(4) + np.uint64(stream)
     h = _splitmix64_array(seed ^ _splitmix64_array(counter))
     return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
@@ -111,7 +112,7 @@ def bonus_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int) -> t
     keys = _TOKEN_KEYS.get(vocab)
     if keys is None:
         keys = _TOKEN_KEYS[vocab] = _splitmix64_array(np.arange(vocab, dtype=np.uint64))
-    rows = np.array([_splitmix64((s & _MASK64) ^ _splitmix64(p * 4 + STREAM_BONUS))
+    rows = np.array([_splitmix64((s & MASK64) ^ _splitmix64(p * 4 + STREAM_BONUS))
                      for s, p in zip(seeds, positions)], dtype=np.uint64)
     h = _splitmix64_array(rows[:, None] ^ keys[None, :])
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))  # in (0, 1)
@@ -319,9 +320,29 @@ def block_weights(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
 
 def residual_mass(w: torch.Tensor, p_rows: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
     """[R] weights and [R, V] rows of p and q → [R] Σ_x max(0, w p(x) − q(x)): the mass of
-    the block rule's residual after a prefix whose weight is w."""
+    the block rule's residual after a prefix whose weight is w. Summed in one fixed order
+    (`lane_sums`), which specdec.native's kernels keep too: on a CPU where a model runner
+    has loaded them, one call of its residual_masses gives the same numbers, and its
+    block_verdicts decides every stop test alike to the last bit."""
+    kernels = native.loaded()
+    if kernels is not None and p_rows.is_cpu and q_rows.is_cpu and p_rows.dtype in _NATIVE_DRAWS:
+        return kernels.residual_masses(w, p_rows, q_rows)
     out = p_rows.double() if p_rows.dtype != torch.float64 else p_rows.clone()
-    return out.mul_(w[:, None].to(out.device)).sub_(q_rows.to(out.device, torch.float64)).clamp_(min=0.0).sum(-1)
+    out = out.mul_(w[:, None].to(out.device)).sub_(q_rows.to(out.device, torch.float64)).clamp_(min=0.0)
+    return lane_sums(out)
+
+
+def lane_sums(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] float64 → [R] row sums in a fixed order: lane k adds the entries v ≡ k (mod
+    MASS_LANES) in order, then the lanes are added in order (a CPU's float64 cumsum adds
+    in order). A whole row in one chain of adds costs a native kernel the latency of
+    every add; a vectorised sum rounds in an order no other code can repeat. Zeros pad the
+    row to whole lanes: adding +0 changes no sum."""
+    rows, vocab = x.shape
+    pad = -vocab % MASS_LANES
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(rows, -1, MASS_LANES).cumsum(1)[:, -1].cumsum(-1)[:, -1]
 
 
 def stop_probabilities(w: torch.Tensor, mass: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from itertools import accumulate
 
 import torch
 
-from specdec import sampling
+from specdec import native, sampling
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.sessions import CacheRef, SessionTable
@@ -54,6 +54,7 @@ class TargetEngine:
             raise ValueError(f"verification rule must be one of {sampling.RULES}, got {rule!r}")
         self.runner = runner
         self.rule = rule  # how sampled drafts are verified (specdec.sampling); greedy is the same
+        self.native_verdicts = True  # block verdicts by specdec.native where loaded (off: to measure it)
         self.sessions = SessionTable(runner, max_sessions, max_cache_bytes)
         self.forward_passes = 0
         self.fed_tokens = 0
@@ -141,6 +142,10 @@ class TargetEngine:
         firsts = [j.ref.start + len(j.ref.tokens) for j in jobs]  # position of each first draft token
         params = [j.params for j in jobs for _ in range(len(j.draft_tokens) + 1)]
         probs = sampling.probs_rows(logits, params)  # [Σ (γ + 1), V] float32
+        kernels = native.loaded()
+        if (kernels is not None and self.native_verdicts and self.rule == "block" and probs.is_cpu
+                and all(j.q.is_cpu and j.q.dtype == torch.float64 for j, g in zip(jobs, gammas) if g)):
+            return self._decide_block_natively(kernels, jobs, probs, gammas, starts, firsts)
         accepted = torch.zeros(B, dtype=torch.long)
         chances: list[list[float]] = [[] for _ in jobs]
         if G > 0:
@@ -192,6 +197,27 @@ class TargetEngine:
             noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
             draw(full, lambda rows: sampling.race_argmax(rows, noise))
         return list(zip(stops, next_token, chances))
+
+    @staticmethod
+    def _decide_block_natively(kernels, jobs: list[VerifyJob], probs: torch.Tensor, gammas: list[int],
+                               starts: list[int], firsts: list[int]) -> list[tuple[int, int, list[float]]]:
+        """The block rule in one call of specdec.native's block_verdicts: the verdicts of the
+        operators below to the bit (tests/target_service/test_engine.py), for a tenth of
+        their cost at one session. Only a bonus after a fully kept draft is drawn here, by
+        the exponential race with the noise the draft's guess of it shares."""
+        none = torch.empty(0, 0, dtype=torch.float64)
+        kept, tokens, weights = kernels.block_verdicts(
+            probs, starts, gammas, [t for j in jobs for t in j.draft_tokens],
+            [j.q if g else none for j, g in zip(jobs, gammas)], [j.params.seed & sampling.MASK64 for j in jobs],
+            firsts)
+        full = [b for b, token in enumerate(tokens) if token < 0]
+        if full:
+            rows = probs[torch.tensor([starts[b] + gammas[b] for b in full])]
+            noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + gammas[b] for b in full],
+                                         probs.shape[-1])
+            for b, token in zip(full, sampling.race_argmax(rows, noise).tolist()):
+                tokens[b] = token
+        return [(n, token, w[1:]) for n, token, w in zip(kept, tokens, weights)]
 
     @staticmethod
     def _block_stops(jobs: list[VerifyJob], gammas: list[int], probs: torch.Tensor, starts: list[int],

@@ -58,6 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, nogil, "one Llama decoder layer over 16-bit weights and the packed attention");
   m.def("rms_norm", &rms_norm, nogil, "x / rms(x) · weight per row, as the decoder layer normalises");
   m.def("sample_rows", &sample_rows, nogil, "inverse-CDF draws of rows of probabilities, as specdec.sampling.sample_from");
+  m.def("block_verdicts", &block_verdicts, nogil,
+        "the block rule's kept lengths, recovery tokens and weights, as target_service's sampled verdicts");
+  m.def("residual_masses", &residual_masses, nogil, "the block rule's residual masses, as specdec.sampling.residual_mass");
   bind_packed_model(m);
   m.def("isa", [] { return specdec::isa_name(specdec::current_isa()); }, "the instruction set in use");
   m.def("best_isa", [] { return specdec::isa_name(specdec::detected_isa()); }, "the best instruction set of this CPU");

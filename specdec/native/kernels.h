@@ -26,3 +26,9 @@ void bind_packed_model(pybind11::module& m);
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
 // one row's inverse-CDF draw, as sample_rows draws each (cdf: scratch of at least vocab)
 int64_t draw_probability_row(const float* p, int64_t vocab, double u, std::vector<double>& cdf);
+int64_t draw_probability_row(const double* p, int64_t vocab, double u, std::vector<double>& cdf);
+// block_verdicts.cpp: the block rule's verdicts for a batch of sampled sessions
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<double>>> block_verdicts(
+    torch::Tensor probs, std::vector<int64_t> starts, std::vector<int64_t> gammas, std::vector<int64_t> tokens,
+    std::vector<torch::Tensor> qs, std::vector<uint64_t> seeds, std::vector<int64_t> firsts);
+torch::Tensor residual_masses(torch::Tensor w, torch::Tensor p, torch::Tensor q);

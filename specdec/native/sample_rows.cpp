@@ -35,6 +35,10 @@ int64_t draw_probability_row(const float* p, int64_t vocab, double u, std::vecto
   return draw_row(p, vocab, u, cdf);
 }
 
+int64_t draw_probability_row(const double* p, int64_t vocab, double u, std::vector<double>& cdf) {
+  return draw_row(p, vocab, u, cdf);
+}
+
 // probs [..., vocab] float32 or float64 (need not sum to 1), u [...] uniforms in [0, 1)
 // → [...] int64 tokens. Shapes, layout and u's type are settled here rather than by
 // operators in Python, each of which costs more than the draw.

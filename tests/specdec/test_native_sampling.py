@@ -1,6 +1,7 @@
-"""specdec.native's sample_rows and rms_norm: the native draw picks exactly the token that
-sampling's torch path picks for the same probabilities and uniform, including the floating
-tie that lands on a trailing zero, and the native final norm computes torch's."""
+"""specdec.native's sample_rows, residual_masses and rms_norm: the native draw picks exactly
+the token that sampling's torch path picks for the same probabilities and uniform, including
+the floating tie that lands on a trailing zero; the native residual masses are the torch
+path's sums to the bit; and the native final norm computes torch's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,35 @@ def test_sample_rows_rejects_what_it_cannot_draw_from(kernels):
         kernels.sample_rows(torch.ones(2, 4), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="empty vocabulary"):
         kernels.sample_rows(torch.ones(2, 0), torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("vocab", [4096, 4099, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_residual_masses_are_the_torch_sums_to_the_bit(kernels, monkeypatch, vocab, dtype):
+    """The block rule's stop tests read these masses, so the native verdicts equal the
+    operators' only if the sums round alike: both add in sampling.lane_sums' order, which a
+    plain Python loop spells out here (lanes of whole and partial width)."""
+    gen = torch.Generator().manual_seed(vocab)
+    p = torch.softmax(torch.randn(12, vocab, generator=gen) * 4, -1).to(dtype)
+    q = torch.softmax(torch.randn(12, vocab, generator=gen, dtype=torch.float64) * 4, -1)
+    q[::4] = p[::4].double()  # p == q: no residual mass
+    w = torch.rand(12, generator=gen, dtype=torch.float64)
+    w[1] = 1.0
+    native_masses = kernels.residual_masses(w, p, q)
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "loaded", lambda: None)
+        torch_masses = sampling.residual_mass(w, p, q)
+    assert torch.equal(native_masses, torch_masses)
+    assert torch.equal(sampling.residual_mass(w, p, q), native_masses)  # the path taken once loaded
+    for r in range(12):
+        lanes = [0.0] * sampling.MASS_LANES
+        for v, (pv, qv) in enumerate(zip(p[r].double().tolist(), q[r].tolist())):
+            lanes[v % sampling.MASS_LANES] += max(pv * w[r].item() - qv, 0.0)
+        total = 0.0
+        for lane in lanes:
+            total += lane
+        assert native_masses[r].item() == total, r
+    assert native_masses[::4].eq(0).all() and native_masses.gt(0).sum() >= 6
 
 
 def test_native_rms_norm_is_torchs(kernels, isa):

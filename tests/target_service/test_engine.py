@@ -73,6 +73,51 @@ def test_a_mixed_batch_decides_each_session_as_if_alone(target_model, rule):
     assert deepest >= 2  # the test reached past the first draft token
 
 
+def test_native_block_verdicts_are_the_operators_verdicts_to_the_bit(target_model, monkeypatch):
+    """Where specdec.native is loaded, sampled sessions under the block rule are decided in
+    one call of its block_verdicts; without it, by torch's operators. Both must give the
+    same kept lengths, tokens and weights exactly, over batches whose drafts the target
+    often likes (deep and full acceptances, bonuses), truncated laws whose residuals have
+    zeros, γ = 0 and seeds above 2^63 (hashed unsigned)."""
+    from specdec import native
+
+    engine = TargetEngine(ModelRunner(target_model))
+    kernels = native.loaded()
+    if kernels is None:
+        pytest.skip(f"specdec.native is unavailable here: {native.unavailable_reason()}")
+    V = engine.runner.vocab_size
+    g = torch.Generator().manual_seed(11)
+    laws = [SamplingParams(1.0, seed=2**64 - 5), SamplingParams(0.7, 0, 1.0, 9), SamplingParams(1.0, 40, 1.0, 2**63),
+            SamplingParams(1.0, 0, 0.8, 1), SamplingParams(1.3, seed=12)]
+    full = stopped = 0
+    for trial in range(40):
+        gammas = [(trial + b) % 6 for b in range(len(laws))]
+        jobs = []
+        for b, (params, gamma) in enumerate(zip(laws, gammas)):
+            q = torch.softmax(torch.randn(gamma, V, generator=g, dtype=torch.float64) * 3, -1)
+            q[:, : V // 3] = 0.0  # zeros in the draft's law, where the target has mass
+            q = q / q.sum(-1, keepdim=True)
+            draft = torch.multinomial(q, 1, generator=g).view(-1).tolist() if gamma else []
+            jobs.append(VerifyJob(CacheRef(f"s{b}", 1, 7 * trial + b, [5]), draft, q if gamma else None, params))
+        logits = torch.randn(sum(gamma + 1 for gamma in gammas), V, generator=g) * 3
+        row = 0
+        for job in jobs:
+            for i, token in enumerate(job.draft_tokens):
+                if (trial + i) % 3:
+                    logits[row + i, token] += 8 + trial % 4
+            row += len(job.draft_tokens) + 1
+        natively = engine._decide(jobs, logits)
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "loaded", lambda: None)
+            by_operators = engine._decide(jobs, logits)
+        assert natively == by_operators, trial
+        full += sum(1 for job, (n, _, _) in zip(jobs, natively) if job.draft_tokens and n == len(job.draft_tokens))
+        stopped += sum(1 for job, (n, _, _) in zip(jobs, natively) if n < len(job.draft_tokens))
+    assert full >= 10 and stopped >= 10  # both the bonus and the recovery were compared
+    with pytest.raises(RuntimeError, match="draft tokens expected"):
+        kernels.block_verdicts(torch.zeros(2, V), [0], [1], [], [torch.zeros(1, V, dtype=torch.float64)], [1], [0])
+
+
 def test_greedy_verification_needs_no_distributions_and_sampling_does(target_model):
     """A greedy draft travels without its distributions: the verdict is the one its one-hot
     distributions would give. A sampled draft without them is refused, clearly."""
