@@ -339,10 +339,12 @@ def lane_sums(x: torch.Tensor) -> torch.Tensor:
     every add; a vectorised sum rounds in an order no other code can repeat. Zeros pad the
     row to whole lanes: adding +0 changes no sum."""
     rows, vocab = x.shape
+    if rows == 0 or vocab == 0:
+        return x.new_zeros(rows)
     pad = -vocab % MASS_LANES
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.view(rows, -1, MASS_LANES).cumsum(1)[:, -1].cumsum(-1)[:, -1]
+    return x.view(rows, (vocab + pad) // MASS_LANES, MASS_LANES).cumsum(1)[:, -1].cumsum(-1)[:, -1]
 
 
 def stop_probabilities(w: torch.Tensor, mass: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec import native, sampling
+
 
 @dataclass
 class EncodedDistributions:
@@ -92,8 +94,15 @@ def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "
     else:
         if len(enc.dense_fp16) != 2 * gamma * V:
             raise WireFormatError(f"dense draft distributions need {2 * gamma * V} bytes, got {len(enc.dense_fp16)}")
+        kernels = native.loaded()
+        if kernels is not None:  # the lines below in one call, to the bit (tests/specdec/test_wire.py)
+            try:
+                return kernels.decode_fp16_rows(enc.dense_fp16, gamma, V).to(device)
+            except ValueError as exc:
+                raise WireFormatError(str(exc)) from None
         q = _fp16(enc.dense_fp16).view(gamma, V)
-    sums = q.sum(-1, keepdim=True)
+    # summed in sampling.lane_sums' order, as specdec.native's decode_fp16_rows sums them
+    sums = sampling.lane_sums(q)[:, None]
     # fp16 values are finite (at most 65504) unless inf or NaN, so a row's float64 sum is
     # finite exactly when all its values are: one check over γ sums, not over γ × V values
     if gamma and (not bool(torch.isfinite(sums).all()) or float(q.amin()) < 0):

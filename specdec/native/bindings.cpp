@@ -61,6 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_verdicts", &block_verdicts, nogil,
         "the block rule's kept lengths, recovery tokens and weights, as target_service's sampled verdicts");
   m.def("residual_masses", &residual_masses, nogil, "the block rule's residual masses, as specdec.sampling.residual_mass");
+  m.def("decode_fp16_rows", &decode_fp16_rows, "dense fp16 draft distributions as normalised float64 rows, as specdec.wire.decode");
   bind_packed_model(m);
   m.def("isa", [] { return specdec::isa_name(specdec::current_isa()); }, "the instruction set in use");
   m.def("best_isa", [] { return specdec::isa_name(specdec::detected_isa()); }, "the best instruction set of this CPU");

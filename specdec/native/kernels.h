@@ -32,3 +32,5 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<d
     torch::Tensor probs, std::vector<int64_t> starts, std::vector<int64_t> gammas, std::vector<int64_t> tokens,
     std::vector<torch::Tensor> qs, std::vector<uint64_t> seeds, std::vector<int64_t> firsts);
 torch::Tensor residual_masses(torch::Tensor w, torch::Tensor p, torch::Tensor q);
+// decode_rows.cpp: dense fp16 draft distributions → normalised float64 rows (specdec.wire.decode)
+torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab);

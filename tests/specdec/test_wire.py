@@ -1,7 +1,10 @@
 """The wire encoding of draft distributions is exact: what the target decodes is what the
-draft sampled from, in sparse and dense form."""
+draft sampled from, in sparse and dense form, each row normalised by its sum in
+sampling.lane_sums' order, natively or by torch's operators alike."""
+import pytest
 import torch
 
+from specdec import native, sampling
 from specdec.wire import decode, drop_first_rows, encode, quantize
 
 
@@ -16,7 +19,7 @@ def _rows(gamma: int, vocab: int, keep: int | None, seed: int = 0) -> torch.Tens
 
 def _normalised(q16: torch.Tensor) -> torch.Tensor:
     q = q16.double()
-    return q / q.sum(-1, keepdim=True)
+    return q / sampling.lane_sums(q)[:, None]
 
 
 def test_truncated_rows_travel_sparse_and_exact():
@@ -80,3 +83,41 @@ def test_malformed_distributions_are_refused_with_what_is_wrong():
     with pytest.raises(WireFormatError, match="no mass"):
         decode(_dense([[0.5, 0.5, 0.0], [0.0, -0.0, 0.0]]), 2)
     assert torch.equal(decode(_dense([[0.0, -0.0, 2.0]]), 1), torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("vocab", [4096, 4099, 5])
+def test_native_dense_decoding_is_the_operators_to_the_bit(monkeypatch, isa, vocab):
+    """Where specdec.native is loaded, a dense block is decoded in one call of its
+    decode_fp16_rows, on every instruction set this CPU has: the same float64 rows as
+    torch's operators, and the same refusals."""
+    from specdec.wire import WireFormatError
+
+    kernels = native.module()
+
+    def both(enc, gamma):
+        out = []
+        for loaded in (lambda: kernels, lambda: None):
+            with monkeypatch.context() as patch:
+                patch.setattr(native, "loaded", loaded)
+                try:
+                    out.append(decode(enc, gamma))
+                except WireFormatError as exc:
+                    out.append(str(exc))
+        return out
+
+    q16 = _rows(6, vocab, keep=None, seed=vocab)
+    q16[1, ::3] = 0.0  # zeros inside a row
+    q16[2] = 0.0
+    q16[2, -1] = 0.75  # mass only in the last, partial lane
+    natively, by_operators = both(encode(q16), 6)
+    assert not encode(q16).sparse and torch.equal(natively, by_operators)
+    assert torch.equal(natively, _normalised(q16))
+    for bad, message in ((float("nan"), "negative or non-finite"), (-0.5, "negative or non-finite"),
+                         (float("inf"), "negative or non-finite"), (None, "no mass")):
+        rows = q16.clone()
+        if bad is None:
+            rows[4] = 0.0
+        else:
+            rows[3, 1] = bad
+        natively, by_operators = both(_dense(rows.tolist()), 6)
+        assert natively == by_operators and message in natively

@@ -1,0 +1,139 @@
+// A draft's dense fp16 distributions, as they arrive at the target, into the float64 rows the
+// verdicts read, in one call: specdec.wire.decode's dense path to the bit, without its seven
+// operators over the block (50 µs for [4, 4,096] on the 2-core CPU, a verification's cost
+// that grows with the sessions in a batch). Per row: each value widened exactly, the row's
+// sum in sampling.lane_sums' order (16 lanes, each in token order, then the lanes in order),
+// and each value divided by it; the same refusals as decode, in the same order over the rows.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+
+#include <immintrin.h>
+
+#include "isa.h"
+
+namespace {
+constexpr int kLanes = 16;  // specdec.sampling.MASS_LANES
+
+// fp16 → float32, exact on every path (the conversion instructions widen exactly, as c10::Half does)
+void widen_scalar(const uint16_t* in, float* out, int64_t n) {
+  const auto* h = reinterpret_cast<const c10::Half*>(in);
+  for (int64_t i = 0; i < n; i++) out[i] = static_cast<float>(h[i]);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+void widen_avx512(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+  widen_scalar(in + i, out + i, n - i);
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+void widen_avx2(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  widen_scalar(in + i, out + i, n - i);
+}
+#pragma GCC pop_options
+
+void widen(const uint16_t* in, float* out, int64_t n) {
+  switch (specdec::current_isa()) {
+    case specdec::Isa::kAvx512: return widen_avx512(in, out, n);
+    case specdec::Isa::kAvx2: return widen_avx2(in, out, n);
+    default: return widen_scalar(in, out, n);
+  }
+}
+
+// One row: the widened values into out as float64, their lane sums (lane[k] += the values
+// v ≡ k mod kLanes, in order) → whether any is negative. Adds and compares only: the same
+// results at any vector width, which the target attributes below let the compiler choose.
+#define SPECDEC_ROW_BODY                                               \
+  bool negative = false;                                               \
+  int64_t v = 0;                                                       \
+  for (; v + kLanes <= vocab; v += kLanes)                             \
+    for (int k = 0; k < kLanes; k++) {                                 \
+      const double x = in[v + k];                                      \
+      out[v + k] = x;                                                  \
+      negative |= x < 0.0;                                             \
+      lane[k] += x;                                                    \
+    }                                                                  \
+  for (int k = 0; v + k < vocab; k++) {                                \
+    const double x = in[v + k];                                        \
+    out[v + k] = x;                                                    \
+    negative |= x < 0.0;                                               \
+    lane[k] += x;                                                      \
+  }                                                                    \
+  return negative;
+
+// Each value divided by the row's sum: IEEE division, the same quotient at any width.
+#define SPECDEC_DIVIDE_BODY \
+  for (int64_t v = 0; v < vocab; v++) out[v] = out[v] / total;
+
+bool row_scalar(const float* in, double* out, int64_t vocab, double* lane) { SPECDEC_ROW_BODY }
+void divide_scalar(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+bool row_avx512(const float* in, double* out, int64_t vocab, double* lane) { SPECDEC_ROW_BODY }
+void divide_avx512(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+bool row_avx2(const float* in, double* out, int64_t vocab, double* lane) { SPECDEC_ROW_BODY }
+void divide_avx2(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
+#pragma GCC pop_options
+
+bool widen_row(const float* in, double* out, int64_t vocab, double* lane) {
+  switch (specdec::current_isa()) {
+    case specdec::Isa::kAvx512: return row_avx512(in, out, vocab, lane);
+    case specdec::Isa::kAvx2: return row_avx2(in, out, vocab, lane);
+    default: return row_scalar(in, out, vocab, lane);
+  }
+}
+
+void divide_row(double* out, int64_t vocab, double total) {
+  switch (specdec::current_isa()) {
+    case specdec::Isa::kAvx512: return divide_avx512(out, vocab, total);
+    case specdec::Isa::kAvx2: return divide_avx2(out, vocab, total);
+    default: return divide_scalar(out, vocab, total);
+  }
+}
+}  // namespace
+
+torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab) {
+  char* buffer = nullptr;
+  Py_ssize_t length = 0;
+  if (PyBytes_AsStringAndSize(data.ptr(), &buffer, &length) != 0) throw pybind11::error_already_set();
+  TORCH_CHECK(rows >= 0 && vocab > 0 && length == 2 * rows * vocab, "decode_fp16_rows: ", 2 * rows * vocab,
+              " bytes expected for ", rows, " rows of ", vocab, ", got ", length);
+  auto out = torch::empty({rows, vocab}, torch::dtype(torch::kFloat64));
+  double* o = out.data_ptr<double>();
+  const auto* h = reinterpret_cast<const uint16_t*>(buffer);
+  std::vector<double> totals(rows);
+  std::vector<float> wide(vocab);
+  bool negative = false;
+  for (int64_t r = 0; r < rows; r++) {
+    double lane[kLanes] = {};
+    widen(h + r * vocab, wide.data(), vocab);
+    negative |= widen_row(wide.data(), o + r * vocab, vocab, lane);
+    double total = 0.0;
+    for (int k = 0; k < kLanes; k++) total += lane[k];
+    totals[r] = total;
+  }
+  for (double total : totals)  // fp16 values are finite unless inf or NaN, so a sum is finite exactly when its row is
+    if (negative || !std::isfinite(total)) throw std::invalid_argument("draft distributions hold negative or non-finite values");
+  for (double total : totals)
+    if (total <= 0.0) throw std::invalid_argument("a draft distribution row has no mass");
+  for (int64_t r = 0; r < rows; r++) divide_row(o + r * vocab, vocab, totals[r]);
+  return out;
+}
