@@ -31,7 +31,6 @@
 namespace {
 
 constexpr int64_t kStreamAccept = 2, kStreamResample = 3;  // specdec.sampling.STREAM_*
-constexpr int kLanes = 16;  // specdec.sampling.MASS_LANES
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ULL;
@@ -59,14 +58,14 @@ bool residual_row(const float* p, const double* q, double w, int64_t vocab, doub
 }
 
 // Σ_v max(0, w · p(v) − q(v)) in sampling.residual_mass's order: lane k sums the tokens
-// v ≡ k (mod kLanes) in token order, then the lanes are added in order. Independent chains
+// v ≡ k (mod kMassLanes) in token order, then the lanes are added in order. Independent chains
 // of adds, which vectorise, where one chain of the whole vocabulary would wait on every add.
 template <typename P>
 double residual_mass(const P* p, const double* q, double w, int64_t vocab) {
-  double lane[kLanes] = {};
+  double lane[kMassLanes] = {};
   int64_t v = 0;
-  for (; v + kLanes <= vocab; v += kLanes)
-    for (int k = 0; k < kLanes; k++) {
+  for (; v + kMassLanes <= vocab; v += kMassLanes)
+    for (int k = 0; k < kMassLanes; k++) {
       double x = static_cast<double>(p[v + k]) * w;
       x = x - q[v + k];
       lane[k] += x > 0.0 ? x : 0.0;
@@ -77,7 +76,7 @@ double residual_mass(const P* p, const double* q, double w, int64_t vocab) {
     lane[k] += x > 0.0 ? x : 0.0;
   }
   double sum = 0.0;
-  for (int k = 0; k < kLanes; k++) sum += lane[k];
+  for (int k = 0; k < kMassLanes; k++) sum += lane[k];
   return sum;
 }
 

@@ -17,7 +17,6 @@
 #include "isa.h"
 
 namespace {
-constexpr int kLanes = 16;  // specdec.sampling.MASS_LANES
 
 // fp16 → float32, exact on every path (the conversion instructions widen exactly, as c10::Half does)
 void widen_scalar(const uint16_t* in, float* out, int64_t n) {
@@ -54,24 +53,24 @@ void widen(const uint16_t* in, float* out, int64_t n) {
 }
 
 // One row: the widened values into out as float64, their lane sums (lane[k] += the values
-// v ≡ k mod kLanes, in order) → whether any is negative. Adds and compares only: the same
+// v ≡ k mod kMassLanes, in order) → whether any is negative. Adds and compares only: the same
 // results at any vector width, which the target attributes below let the compiler choose.
-#define SPECDEC_ROW_BODY                                               \
-  bool negative = false;                                               \
-  int64_t v = 0;                                                       \
-  for (; v + kLanes <= vocab; v += kLanes)                             \
-    for (int k = 0; k < kLanes; k++) {                                 \
-      const double x = in[v + k];                                      \
-      out[v + k] = x;                                                  \
-      negative |= x < 0.0;                                             \
-      lane[k] += x;                                                    \
-    }                                                                  \
-  for (int k = 0; v + k < vocab; k++) {                                \
-    const double x = in[v + k];                                        \
-    out[v + k] = x;                                                    \
-    negative |= x < 0.0;                                               \
-    lane[k] += x;                                                      \
-  }                                                                    \
+#define SPECDEC_ROW_BODY                                                  \
+  bool negative = false;                                                  \
+  int64_t v = 0;                                                          \
+  for (; v + kMassLanes <= vocab; v += kMassLanes)                        \
+    for (int k = 0; k < kMassLanes; k++) {                                \
+      const double x = in[v + k];                                         \
+      out[v + k] = x;                                                     \
+      negative |= x < 0.0;                                                \
+      lane[k] += x;                                                       \
+    }                                                                     \
+  for (int k = 0; v + k < vocab; k++) {                                   \
+    const double x = in[v + k];                                           \
+    out[v + k] = x;                                                       \
+    negative |= x < 0.0;                                                  \
+    lane[k] += x;                                                         \
+  }                                                                       \
   return negative;
 
 // Each value divided by the row's sum: IEEE division, the same quotient at any width.
@@ -123,11 +122,11 @@ torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab
   std::vector<float> wide(vocab);
   bool negative = false;
   for (int64_t r = 0; r < rows; r++) {
-    double lane[kLanes] = {};
+    double lane[kMassLanes] = {};
     widen(h + r * vocab, wide.data(), vocab);
     negative |= widen_row(wide.data(), o + r * vocab, vocab, lane);
     double total = 0.0;
-    for (int k = 0; k < kLanes; k++) total += lane[k];
+    for (int k = 0; k < kMassLanes; k++) total += lane[k];
     totals[r] = total;
   }
   for (double total : totals)  // fp16 values are finite unless inf or NaN, so a sum is finite exactly when its row is

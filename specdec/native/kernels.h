@@ -27,6 +27,9 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
 // one row's inverse-CDF draw, as sample_rows draws each (cdf: scratch of at least vocab)
 int64_t draw_probability_row(const float* p, int64_t vocab, double u, std::vector<double>& cdf);
 int64_t draw_probability_row(const double* p, int64_t vocab, double u, std::vector<double>& cdf);
+// the order both block_verdicts.cpp and decode_rows.cpp sum a row in: lane k adds the values
+// v ≡ k (mod kMassLanes) in order, then the lanes are added in order (specdec.sampling.lane_sums)
+constexpr int kMassLanes = 16;  // specdec.sampling.MASS_LANES
 // block_verdicts.cpp: the block rule's verdicts for a batch of sampled sessions
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<double>>> block_verdicts(
     torch::Tensor probs, std::vector<int64_t> starts, std::vector<int64_t> gammas, std::vector<int64_t> tokens,
