@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -120,6 +120,21 @@ class _Generation:
         """Whether the load governor may turn this generation's speculation off: adaptive
         γ only, and not a seeded sampled request (its policy is deterministic)."""
         return self.policy.fixed is None and not self.policy.deterministic
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What a round's bookkeeping needs (Generator._record_round), taken as the round ends."""
+    gamma: int
+    accepted: int
+    chances: tuple[float, ...]  # the target's keep chances of a sampled draft
+    tokens: int  # committed this round
+    active: int  # generations in flight as it began
+    speculating: bool  # its mode under load
+    rounds_in_mode: int
+    seconds: float  # its wall time
+    calls_ms: float  # of which in its two calls
+    plain: bool  # its own calls only, past the prefill: a measure of the loop's overhead
 
 
 @dataclass
@@ -380,7 +395,7 @@ class Generator:
         generated, reason = [], "length"
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         pending: asyncio.Future | None = None  # the previous round's commit, then its emit
-        release: asyncio.Event | None = None  # lets that commit go (_commit_emit)
+        release: asyncio.Event | None = None  # lets that commit go (_finish_round)
         metrics.ACTIVE_SESSIONS.inc()
         self.active += 1
         try:
@@ -411,19 +426,16 @@ class Generator:
                 generated.extend(new)
                 if pending is not None:
                     await pending  # rounds are committed and streamed in order
-                if plain:
-                    self._observe_round(gen, t_round, calls_before)
-                if gen.governed:
-                    self.governor.observe(gen.policy.greedy, active, gen.speculating, len(new),
-                                          time.perf_counter() - t_round, gen.rounds_in_mode)
-                # this round's Redis round trip and its emit overlap the next round's
+                book = _Round(gamma, verdict.accepted, tuple(verdict.keep_chances), len(new), active,
+                              gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
+                              gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain)
+                # this round's bookkeeping, Redis round trip and emit overlap the next round's
                 # verification (the first round's go at once, for the time to first token);
                 # its tokens reach the client only once they are committed
                 release = asyncio.Event()
                 if len(generated) == len(new):
                     release.set()
-                pending = asyncio.ensure_future(self._commit_emit(
-                    release, self.store.commit_round(handle, new), emit, out_text, new, gen.stats))
+                pending = asyncio.ensure_future(self._finish_round(release, gen, book, new, out_text, emit))
                 if reason in ("eos", "stop"):
                     break
             if pending is not None:
@@ -444,12 +456,31 @@ class Generator:
         return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
                        handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
 
-    def _observe_round(self, gen: "_Generation", t_round: float, calls_before: float) -> None:
-        """The round's time outside its two calls (the loop's own work, waiting for the
-        previous commit), which the cost model adds to every γ's round: paid once a round,
-        it favours rounds that yield more tokens."""
-        calls = gen.stats.draft_ms + gen.stats.verify_ms - calls_before
-        self.costs.observe_round_overhead((time.perf_counter() - t_round) * 1000 - calls, calls)
+    def _record_round(self, gen: "_Generation", book: "_Round") -> None:
+        """What a round tells the shared cost model, the load governor and the metrics. None
+        of it decides the next round's call, so it runs after that call has left
+        (`_finish_round`), a round late for the next choice.
+
+        A plain round's time outside its two calls (the loop's own work, waiting for the
+        previous commit) is added by the cost model to every γ's round: paid once a
+        round, it favours rounds that yield more tokens."""
+        policy = gen.policy
+        self.costs.observe_acceptance(policy.greedy, book.gamma, book.accepted, book.chances)
+        if book.plain:
+            self.costs.observe_round_overhead(book.seconds * 1000 - book.calls_ms, book.calls_ms)
+        if gen.governed:
+            self.governor.observe(policy.greedy, book.active, book.speculating, book.tokens, book.seconds,
+                                  book.rounds_in_mode)
+        metrics.ROUNDS.inc()
+        metrics.GAMMA.observe(book.gamma)
+        if book.gamma:
+            metrics.DRAFTED.inc(book.gamma)
+            metrics.ACCEPTED.inc(book.accepted)
+            metrics.ACCEPTED_LENGTH.observe(book.accepted)
+            for i in range(book.gamma):
+                metrics.at_position(metrics.DRAFTED_AT_POSITION, i).inc()
+                if i < book.accepted:
+                    metrics.at_position(metrics.ACCEPT_AT_POSITION, i).inc()
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
         p = req.params
@@ -553,59 +584,54 @@ class Generator:
             raise
 
     def _apply(self, gen: "_Generation", m: int, gamma: int, draft_tokens: list[int],
-               verdict) -> tuple[list[int], str, str]:
-        """The verdict's tokens, cut at EOS or a stop string, committed to the handle →
-        (the new tokens, their text, the finish reason so far)."""
+               verdict) -> tuple[list[int], str | None, str]:
+        """The verdict's tokens, cut after EOS or where a stop string ends, committed to the
+        handle → (the new tokens, their text or None, the finish reason so far). Only stop
+        strings make the text decide the tokens; without them the text is decoded after the
+        next round's call has left (`_finish_round`), and None is returned for it."""
         new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
-        out_text, kept = gen.text.push(new)
         reason = "length"
-        if self.eos_id is not None and self.eos_id in new[:kept]:
-            kept = new.index(self.eos_id) + 1
+        if self.eos_id is not None and self.eos_id in new:
+            new = new[: new.index(self.eos_id) + 1]
             reason = "eos"
-        if gen.text.stopped:
-            reason = "stop"
-        new = new[:kept]
+        text = None
+        if gen.text.stop:
+            text, kept = gen.text.push(new)
+            if gen.text.stopped:
+                new, reason = new[:kept], "stop"
         handle = gen.handle
         handle.committed.extend(new)
-        handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, kept)
+        handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, len(new))
         if gen.line is not None:  # this round's draft was a fork's: the draft's cache lacks it
             handle.cursor.draft_len = min(handle.cursor.draft_len, gen.line)
-        self._count_round(gen.stats, gen.policy, gamma, verdict.accepted, verdict.keep_chances)
-        return new, out_text, reason
+        # a seeded session's policy counts its kept length, a function of its own tokens
+        # only, so that the same request yields the same rounds; others learn from the
+        # target's keep chances of a sampled draft (gamma_policy.keep_chances)
+        gen.stats.observe(gamma, verdict.accepted)
+        gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
+        return new, text, reason
 
-    def _count_round(self, stats: Stats, policy: SessionPolicy, gamma: int, accepted: int,
-                     chances: Sequence[float] = ()) -> None:
-        """`chances`: the target's keep chances of a sampled draft (gamma_policy.keep_chances).
-        A seeded session's policy counts its kept length instead, a function of its own
-        tokens only, so that the same request yields the same rounds."""
-        stats.observe(gamma, accepted)
-        policy.observe(gamma, accepted, None if policy.deterministic else chances)
-        self.costs.observe_acceptance(policy.greedy, gamma, accepted, chances)
-        metrics.ROUNDS.inc()
-        metrics.GAMMA.observe(gamma)
-        if gamma:
-            metrics.DRAFTED.inc(gamma)
-            metrics.ACCEPTED.inc(accepted)
-            metrics.ACCEPTED_LENGTH.observe(accepted)
-            for i in range(gamma):
-                metrics.at_position(metrics.DRAFTED_AT_POSITION, i).inc()
-                if i < accepted:
-                    metrics.at_position(metrics.ACCEPT_AT_POSITION, i).inc()
-
-    @staticmethod
-    async def _commit_emit(release: asyncio.Event, commit: Awaitable[None], emit: Emit, text: str,
-                           new: list[int], stats: Stats) -> None:
-        """A round's Redis commit, then its tokens to the client, once `release` is set: when
-        the next round's verification has been issued (or the loop ends). Started at once,
-        the commit's Redis command went out before the next round's first call, which
-        MuxLink writes a turn later, and its wake-up of Redis sat on the round's critical
-        path: 0.43–0.45 ms from a verification's answer to the next proposal's frame at
-        one greedy stream against 0.29 ms deferred (benchmarks/HISTORY.md). `CALL_TURNS`
-        more turns let the verification's own write go first; the target's forward then
-        covers the Redis round trip and the emit."""
+    async def _finish_round(self, release: asyncio.Event, gen: "_Generation", book: "_Round", new: list[int],
+                            text: str | None, emit: Emit) -> None:
+        """A round's bookkeeping, its Redis commit, then its tokens to the client, once
+        `release` is set: when the next round's verification has been issued (or the loop
+        ends). Started at once, the commit's Redis command went out before the next round's
+        first call, which MuxLink writes a turn later, and its wake-up of Redis sat on the
+        round's critical path: 0.43–0.45 ms from a verification's answer to the next
+        proposal's frame at one greedy stream against 0.29 ms deferred
+        (benchmarks/HISTORY.md). `CALL_TURNS` more turns let the verification's own write go
+        first; the target's forward then covers the rest. Rounds finish in order (the loop
+        awaits each before the next), so their text is decoded in order."""
         await release.wait()
         for _ in range(CALL_TURNS):
             await asyncio.sleep(0)
+        self._record_round(gen, book)
+        if text is None:
+            text = gen.text.push(new)[0]
+        await self._commit_emit(self.store.commit_round(gen.handle, new), emit, text, new, gen.stats)
+
+    @staticmethod
+    async def _commit_emit(commit: Awaitable[None], emit: Emit, text: str, new: list[int], stats: Stats) -> None:
         t0 = time.perf_counter()
         await commit
         stats.redis_ms += (time.perf_counter() - t0) * 1000
