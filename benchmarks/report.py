@@ -279,8 +279,9 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
            checks_table(checks, per_pass), "",
            f"## Step costs (ModelRunner forwards over a {costs.context}-token cache; median ms)", "",
            "Every shape timed once per turn, by turns; a draft step is the mean of "
-           f"{costs.draft_run} steps in a row after the target's forwards, as a round drafts "
-           "(the first finds the draft's weights pushed out of the cache).", "",
+           f"{costs.draft_run} steps in a row after the target's forwards, as the draft service drafts "
+           "(one native call for all of them where the runner has one; the first step finds the draft's "
+           "weights pushed out of the cache).", "",
            costs_table(costs), "",
            f"Cost ratio c = {costs.ratio:.3f} (batch 1).", ""]
     if costs.decision_ms:

@@ -164,14 +164,16 @@ def test_the_gpu_kit_explains_itself_and_refuses_to_run_off_the_device(tmp_path)
 
 def test_step_costs_are_timed_by_turns_with_the_draft_in_runs(monkeypatch):
     """measure_costs times every shape once per turn (so a slow spell weighs on all of
-    them) and the draft's steps in runs of γ, as a round drafts after a verification."""
+    them) and the draft's steps in runs of γ, as a round drafts after a verification: in
+    one native call each where the runner drafts natively, as the draft service does."""
     import torch
 
     from benchmarks import costs as costs_mod
+    from specdec import native
     from specdec.model_runner import ModelRunner
     from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model
 
-    order = []
+    order, native_drafts = [], []
     real_run = costs_mod._Forward.run
 
     def spy(self, keep, times=1):
@@ -180,11 +182,16 @@ def test_step_costs_are_timed_by_turns_with_the_draft_in_runs(monkeypatch):
 
     monkeypatch.setattr(costs_mod._Forward, "run", spy)
     cpu = torch.device("cpu")
-    draft = ModelRunner(load_model(BUNDLED_DRAFT, cpu, torch.float32))
+    draft = ModelRunner(load_model(BUNDLED_DRAFT, cpu, torch.float32), quantize="w8a8" if native.module() else "none")
     target = ModelRunner(load_model(BUNDLED_TARGET, cpu, torch.float32))
+    real_draft = draft.draft_greedy
+    monkeypatch.setattr(draft, "draft_greedy", lambda items, gammas: native_drafts.append(
+        (len(items), tuple(it.cache.length for it in items), tuple(gammas))) or real_draft(items, gammas))
     c = costs_mod.measure_costs(draft, target, [1, 2], [2], context=8, reps=3, decision_gamma=3)
     turn = [(False, 1, 1, 1), (False, 3, 1, 1), (False, 1, 2, 1), (False, 3, 2, 1), (True, 1, 1, 3), (True, 1, 2, 3)]
     assert order == turn * 5  # two warm-up turns and three kept
+    if native.module() is not None:  # every run of steps one call, each from the 8-token context
+        assert native_drafts == [(1, (8,), (3,)), (2, (8, 8), (3, 3))] * 5
     assert c.draft_run == 3 and set(c.draft_step_ms) == {1, 2} and set(c.verify_ms[2]) == {0, 2}
     assert all(ms > 0 for ms in [*c.draft_step_ms.values(), *c.verify_ms[1].values(), *c.verify_ms[2].values()])
 
