@@ -1,4 +1,9 @@
-// A draft's dense fp16 distributions, as they arrive at the target, into the float64 rows the
+// encode_fp16_rows: a draft's quantised distributions (float32 values that fp16 holds exactly)
+// into their dense fp16 bytes and each row's count of positive values, in one pass: what
+// specdec.wire.encode needs to send them dense, without its numpy and torch calls over the
+// block (18 µs for [4, 4,096] on the 2-core CPU, on every sampled proposal's answer).
+//
+// decode_fp16_rows: a draft's dense fp16 distributions, as they arrive at the target, into the float64 rows the
 // verdicts read, in one call: specdec.wire.decode's dense path to the bit, without its seven
 // operators over the block (50 µs for [4, 4,096] on the 2-core CPU, a verification's cost
 // that grows with the sessions in a batch). Per row: each value widened exactly, the row's
@@ -92,6 +97,53 @@ bool row_avx2(const float* in, double* out, int64_t vocab, double* lane) { SPECD
 void divide_avx2(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
 #pragma GCC pop_options
 
+// float32 → fp16 of values fp16 holds exactly (any rounding mode gives them back), and the
+// count of those above zero (NaN is not): encode's `a > 0`.
+int64_t narrow_scalar(const float* in, uint16_t* out, int64_t n) {
+  int64_t positive = 0;
+  for (int64_t i = 0; i < n; i++) {
+    out[i] = c10::Half(in[i]).x;
+    positive += in[i] > 0.0f;
+  }
+  return positive;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+int64_t narrow_avx512(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0, positive = 0;
+  const __m512 zero = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(in + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    positive += __builtin_popcount(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ));
+  }
+  return positive + narrow_scalar(in + i, out + i, n - i);
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+int64_t narrow_avx2(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0, positive = 0;
+  const __m256 zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    positive += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ)));
+  }
+  return positive + narrow_scalar(in + i, out + i, n - i);
+}
+#pragma GCC pop_options
+
+int64_t narrow(const float* in, uint16_t* out, int64_t n) {
+  switch (specdec::current_isa()) {
+    case specdec::Isa::kAvx512: return narrow_avx512(in, out, n);
+    case specdec::Isa::kAvx2: return narrow_avx2(in, out, n);
+    default: return narrow_scalar(in, out, n);
+  }
+}
+
 bool widen_row(const float* in, double* out, int64_t vocab, double* lane) {
   switch (specdec::current_isa()) {
     case specdec::Isa::kAvx512: return row_avx512(in, out, vocab, lane);
@@ -135,4 +187,17 @@ torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab
     if (total <= 0.0) throw std::invalid_argument("a draft distribution row has no mass");
   for (int64_t r = 0; r < rows; r++) divide_row(o + r * vocab, vocab, totals[r]);
   return out;
+}
+
+std::tuple<pybind11::bytes, std::vector<int64_t>> encode_fp16_rows(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu() && q.is_contiguous(),
+              "encode_fp16_rows: a contiguous [rows, vocab] float32 CPU tensor expected");
+  const int64_t rows = q.size(0), vocab = q.size(1);
+  const float* in = q.data_ptr<float>();
+  std::vector<int64_t> positive(rows);
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, 2 * rows * vocab);
+  if (out == nullptr) throw pybind11::error_already_set();
+  auto* h = reinterpret_cast<uint16_t*>(PyBytes_AS_STRING(out));
+  for (int64_t r = 0; r < rows; r++) positive[r] = narrow(in + r * vocab, h + r * vocab, vocab);
+  return {pybind11::reinterpret_steal<pybind11::bytes>(out), positive};
 }

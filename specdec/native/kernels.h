@@ -37,3 +37,5 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<std::vector<d
 torch::Tensor residual_masses(torch::Tensor w, torch::Tensor p, torch::Tensor q);
 // decode_rows.cpp: dense fp16 draft distributions → normalised float64 rows (specdec.wire.decode)
 torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab);
+// and quantised float32 rows → (their dense fp16 bytes, each row's count of positive values) (specdec.wire.encode)
+std::tuple<pybind11::bytes, std::vector<int64_t>> encode_fp16_rows(torch::Tensor q);

@@ -121,3 +121,25 @@ def test_native_dense_decoding_is_the_operators_to_the_bit(monkeypatch, isa, voc
             rows[3, 1] = bad
         natively, by_operators = both(_dense(rows.tolist()), 6)
         assert natively == by_operators and message in natively
+
+
+@pytest.mark.parametrize("vocab,keep", [(4096, None), (4099, None), (5, None), (4096, 40), (64, 30)])
+def test_native_encoding_is_the_operators_to_the_bit(monkeypatch, isa, vocab, keep):
+    """Where specdec.native is loaded, encode takes a block's dense fp16 bytes and its rows'
+    counts of positive values (which choose dense or sparse) from one call of its
+    encode_fp16_rows, on every instruction set this CPU has: the same encoding as numpy's
+    and torch's calls, dense or sparse, fp16 subnormals and zeros included."""
+    q16 = _rows(6, vocab, keep=keep, seed=vocab + (keep or 0))
+    if keep is None:
+        q16[1, ::3] = 0.0  # zeros inside a row
+        q16[2, :] = 0.0
+        q16[2, -1] = 2.0 ** -24  # fp16's smallest subnormal, in the last, partial lane
+        q16[2, 0] = 2.0 ** -15 + 2.0 ** -20  # a subnormal with several bits
+    natively = encode(q16)
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "loaded", lambda: None)
+        by_operators = encode(q16)
+    assert natively == by_operators
+    assert natively.sparse == (keep is not None and keep * 3 < vocab)
+    assert torch.equal(decode(natively, 6), _normalised(q16))
+    assert encode(q16.t().contiguous().t()) == by_operators  # a strided block takes the operators
