@@ -114,12 +114,24 @@ class _Generation:
     line: int | None = None
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
+    calls: list["_Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping
 
     @property
     def governed(self) -> bool:
         """Whether the load governor may turn this generation's speculation off: adaptive
         γ only, and not a seeded sampled request (its policy is deterministic)."""
         return self.policy.fixed is None and not self.policy.deterministic
+
+
+@dataclass(frozen=True)
+class _Call:
+    """An answered internal call, as the round's bookkeeping (Generator._note_call) needs it."""
+    pool: str  # "draft" or "target"
+    ms: float  # its wall time
+    request: object | None  # the message sent, where its size counts on the wire
+    response: object
+    steady: bool  # fed at most two tokens: a measure of a round's call (a prefill is not)
+    tokens: int  # γ asked for (draft), or drafted tokens verified (target)
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,7 @@ class _Round:
     seconds: float  # its wall time
     calls_ms: float  # of which in its two calls
     plain: bool  # its own calls only, past the prefill: a measure of the loop's overhead
+    calls: tuple[_Call, ...]
 
 
 @dataclass
@@ -233,13 +246,7 @@ class Generator:
                 continue
             ms = (time.perf_counter() - t0) * 1000
             stats.draft_ms += ms
-            stats.network_ms += max(0.0, ms - resp.compute_ms)
-            stats.wire_bytes += resp.ByteSize()
-            if len(ref.tokens) <= 2:  # steady state only: a prefill is no measure of a round
-                self.costs.observe_draft(len(resp.draft_tokens), ms, resp.compute_ms, resp.batch_size)
-            if len(resp.draft_tokens) < gamma:
-                metrics.DRAFT_STOPS.inc()
-            metrics.DRAFT_STAGE.observe(ms / 1000)
+            gen.calls.append(_Call("draft", ms, None, resp, len(ref.tokens) <= 2, gamma))
             return resp
         return None
 
@@ -261,12 +268,7 @@ class Generator:
                 continue
             ms = (time.perf_counter() - t0) * 1000
             stats.verify_ms += ms
-            stats.network_ms += max(0.0, ms - resp.compute_ms)
-            stats.wire_bytes += request.ByteSize() + resp.ByteSize()
-            if len(ref.tokens) <= 2 and not resp.resynced:
-                self.costs.observe_verify(len(draft_tokens), ms, resp.batch_size, resp.compute_ms,
-                                         resp.batch_tokens)
-            metrics.VERIFY_STAGE.observe(ms / 1000)
+            gen.calls.append(_Call("target", ms, request, resp, len(ref.tokens) <= 2, len(draft_tokens)))
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
                           f"after {MAX_ATTEMPTS} attempts")
@@ -428,7 +430,8 @@ class Generator:
                     await pending  # rounds are committed and streamed in order
                 book = _Round(gamma, verdict.accepted, tuple(verdict.keep_chances), len(new), active,
                               gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
-                              gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain)
+                              gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
+                gen.calls.clear()
                 # this round's bookkeeping, Redis round trip and emit overlap the next round's
                 # verification (the first round's go at once, for the time to first token);
                 # its tokens reach the client only once they are committed
@@ -457,14 +460,16 @@ class Generator:
                        handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
 
     def _record_round(self, gen: "_Generation", book: "_Round") -> None:
-        """What a round tells the shared cost model, the load governor and the metrics. None
-        of it decides the next round's call, so it runs after that call has left
+        """What a round and its calls tell the stats, the shared cost model, the load governor
+        and the metrics. None of it decides the next round's call, so it runs after that call has left
         (`_finish_round`), a round late for the next choice.
 
         A plain round's time outside its two calls (the loop's own work, waiting for the
         previous commit) is added by the cost model to every γ's round: paid once a
         round, it favours rounds that yield more tokens."""
         policy = gen.policy
+        for call in book.calls:
+            self._note_call(gen.stats, call)
         self.costs.observe_acceptance(policy.greedy, book.gamma, book.accepted, book.chances)
         if book.plain:
             self.costs.observe_round_overhead(book.seconds * 1000 - book.calls_ms, book.calls_ms)
@@ -481,6 +486,24 @@ class Generator:
                 metrics.at_position(metrics.DRAFTED_AT_POSITION, i).inc()
                 if i < book.accepted:
                     metrics.at_position(metrics.ACCEPT_AT_POSITION, i).inc()
+
+    def _note_call(self, stats: Stats, call: _Call) -> None:
+        """A call's network time, bytes (sizing a message serializes it: 32 KB for a sampled
+        proposal), cost sample (steady rounds only: a prefill is no measure of a round's
+        call; nor is a verification that rebuilt the target's cache) and stage metric."""
+        resp = call.response
+        stats.network_ms += max(0.0, call.ms - resp.compute_ms)
+        stats.wire_bytes += resp.ByteSize() + (call.request.ByteSize() if call.request is not None else 0)
+        if call.pool == "draft":
+            if call.steady:
+                self.costs.observe_draft(len(resp.draft_tokens), call.ms, resp.compute_ms, resp.batch_size)
+            if len(resp.draft_tokens) < call.tokens:
+                metrics.DRAFT_STOPS.inc()
+            metrics.DRAFT_STAGE.observe(call.ms / 1000)
+            return
+        if call.steady and not resp.resynced:
+            self.costs.observe_verify(call.tokens, call.ms, resp.batch_size, resp.compute_ms, resp.batch_tokens)
+        metrics.VERIFY_STAGE.observe(call.ms / 1000)
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> "_Generation":
         p = req.params

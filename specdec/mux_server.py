@@ -34,7 +34,11 @@ MESSAGE_BUDGET = MAX_MESSAGE_BYTES // 2
 
 def split_by_size(items: list, budget: int = MESSAGE_BUDGET) -> list[list]:
     """The items in order, in runs whose serialized sizes add up to at most `budget` (an
-    item larger than that on its own is a run of its own)."""
+    item larger than that on its own is a run of its own). A lone item is one run, unsized:
+    sizing a message serializes it, and at one stream every message is a lone call or
+    answer, a sampled proposal's 32 KB among them."""
+    if len(items) <= 1:
+        return [items] if items else []
     runs, run, size = [], [], 0
     for item in items:
         n = item.ByteSize()
