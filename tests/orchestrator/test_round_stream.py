@@ -165,3 +165,4 @@ def test_frames_mode_goes_over_grpc_to_a_replica_without_a_frame_link(local_stac
         asyncio.run(run())
     finally:
         local_stack.kill(rep, signal.SIGTERM)  # deregisters on the way out
+        local_stack.replicas.remove(rep)  # the shared stack's later users walk its replicas
