@@ -651,12 +651,9 @@ class Generator:
         self._record_round(gen, book)
         if text is None:
             text = gen.text.push(new)[0]
-        await self._commit_emit(self.store.commit_round(gen.handle, new), emit, text, new, gen.stats)
-
-    @staticmethod
-    async def _commit_emit(commit: Awaitable[None], emit: Emit, text: str, new: list[int], stats: Stats) -> None:
+        stats = gen.stats
         t0 = time.perf_counter()
-        await commit
+        await self.store.commit_round(gen.handle, new)
         stats.redis_ms += (time.perf_counter() - t0) * 1000
         await emit(text, new)
         if new and not stats.first_token_ms:
