@@ -25,7 +25,7 @@ from specdec import metrics, rounds
 from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
 from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
-from specdec.session_store import SessionHandle, SessionStore
+from specdec.session_store import RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
 from specdec.spec_loop import LoopStats
 from specdec.wire import drop_first_rows
@@ -432,13 +432,7 @@ class Generator:
                               gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
                               gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
                 gen.calls.clear()
-                # this round's bookkeeping, Redis round trip and emit overlap the next round's
-                # verification (the first round's go at once, for the time to first token);
-                # its tokens reach the client only once they are committed
-                release = asyncio.Event()
-                if len(generated) == len(new):
-                    release.set()
-                pending = asyncio.ensure_future(self._finish_round(release, gen, book, new, out_text, emit))
+                release, pending = self._end_round(gen, book, new, out_text, emit, first=len(generated) == len(new))
                 if reason in ("eos", "stop"):
                     break
             if pending is not None:
@@ -634,8 +628,21 @@ class Generator:
         gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
         return new, text, reason
 
-    async def _finish_round(self, release: asyncio.Event, gen: "_Generation", book: "_Round", new: list[int],
-                            text: str | None, emit: Emit) -> None:
+    def _end_round(self, gen: "_Generation", book: "_Round", new: list[int], text: str | None, emit: Emit,
+                   first: bool) -> tuple[asyncio.Event, asyncio.Future]:
+        """→ (its release, its finish): the round's bookkeeping, Redis round trip and emit,
+        which overlap the next round's verification (the first round's go at once, for the
+        time to first token); its tokens reach the client only once they are committed.
+        The commit is taken from the handle here: the next round's `_apply` may change the
+        handle before the finish runs (tests/orchestrator/test_generation.py)."""
+        release = asyncio.Event()
+        if first:
+            release.set()
+        commit = self.store.round_commit(gen.handle, new)
+        return release, asyncio.ensure_future(self._finish_round(release, gen, book, commit, new, text, emit))
+
+    async def _finish_round(self, release: asyncio.Event, gen: "_Generation", book: "_Round", commit: RoundCommit,
+                            new: list[int], text: str | None, emit: Emit) -> None:
         """A round's bookkeeping, its Redis commit, then its tokens to the client, once
         `release` is set: when the next round's verification has been issued (or the loop
         ends). Started at once, the commit's Redis command went out before the next round's
@@ -653,7 +660,7 @@ class Generator:
             text = gen.text.push(new)[0]
         stats = gen.stats
         t0 = time.perf_counter()
-        await self.store.commit_round(gen.handle, new)
+        await self.store.commit(commit)
         stats.redis_ms += (time.perf_counter() - t0) * 1000
         await emit(text, new)
         if new and not stats.first_token_ms:

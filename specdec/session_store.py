@@ -73,6 +73,13 @@ def _meta(handle: SessionHandle) -> dict:
             "params": json.dumps(handle.params)}
 
 
+@dataclass(frozen=True)
+class RoundCommit:
+    """A round's commit script call, its keys and arguments fixed when it was taken."""
+    keys: list[str]
+    args: list
+
+
 class SessionStore:
     def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600, commit_retry_seconds: float = 5.0) -> None:
         self.redis = client
@@ -120,20 +127,28 @@ class SessionStore:
         return SessionHandle(session_id, meta["draft"], meta["target"], int(meta["epoch"]), committed,
                              cursor, json.loads(meta["params"]))
 
-    def commit_round(self, handle: SessionHandle, new_tokens: list[int]) -> Awaitable[None]:
-        """One round trip: append the round's tokens and record what the caches now hold.
-
-        The commands are built from the handle *now*, so the caller may start the next
-        round (and change the handle) while the round trip is in flight. `handle.committed`
-        already includes new_tokens; the stored length guards readers against a partially
-        applied append (the script is atomic anyway). Every write is absolute
-        (SETRANGE at an offset, the whole cursor), so a commit may be retried: while Redis
-        restarts the stream waits, with backoff, up to commit_retry_seconds."""
+    def round_commit(self, handle: SessionHandle, new_tokens: list[int]) -> "RoundCommit":
+        """A round's commit as the handle stands *now*: the round's tokens and what the caches
+        hold after it. Taken as the round ends, because the commit itself runs later, beside
+        the next round's calls, and that round may already have changed the handle by then
+        (its tokens appended: an offset computed then would write this round's tokens past
+        their place). `handle.committed` already includes new_tokens. Every write is
+        absolute (SETRANGE at an offset, the whole cursor), so a commit may be retried."""
         offset = 4 * (handle.length - len(new_tokens))
         args = [offset, _tokens_bytes(new_tokens), self.ttl]
         for field_value in _meta(handle).items():
             args.extend(field_value)
-        return self._retrying(self._commit_script, list(self._keys(handle.session_id)), args)
+        return RoundCommit(list(self._keys(handle.session_id)), args)
+
+    async def commit(self, commit: "RoundCommit") -> None:
+        """One round trip, one atomic script (the stored length guards readers against a
+        partially applied append anyway). While Redis restarts the stream waits, with
+        backoff, up to commit_retry_seconds."""
+        await self._retrying(self._commit_script, commit.keys, commit.args)
+
+    def commit_round(self, handle: SessionHandle, new_tokens: list[int]) -> Awaitable[None]:
+        """`round_commit` taken now, then `commit`."""
+        return self.commit(self.round_commit(handle, new_tokens))
 
     async def _retrying(self, script, keys: list[str], args: list):
         """The script's answer, retried with backoff while Redis is unreachable, for up to

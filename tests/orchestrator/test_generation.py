@@ -1,18 +1,22 @@
 """Generator._apply with the bundled tokenizer: where a round's tokens end, the finish reason,
-and the text that reaches the client (decoded at once only where stop strings need it)."""
-import pytest
+and the text that reaches the client (decoded at once only where stop strings need it); and a
+round's end (its commit in a real redis-server, its emit) when the next round overtakes it."""
+import asyncio
 
-from orchestrator.generation import GenerationRequest, Generator
+import pytest
+import redis.asyncio as aioredis
+
+from orchestrator.generation import GenerationRequest, Generator, _Round
 from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
-from specdec.session_store import SessionHandle
+from specdec.session_store import SessionHandle, SessionStore
 
 PROMPT = "def greet(name):\n"
 TEXT = "    print(name)\n    return None\n"
 
 
-def begin(tokenizer, stop=()):
-    generator = Generator(pools=None, store=None, tokenizer=tokenizer, max_len=2048)
+def begin(tokenizer, stop=(), store=None):
+    generator = Generator(pools=None, store=store, tokenizer=tokenizer, max_len=2048)
     prompt = tokenizer(PROMPT)["input_ids"]
     req = GenerationRequest(prompt_ids=prompt, max_new_tokens=64, params=SamplingParams(temperature=0.0),
                             stop=list(stop), gamma=4)
@@ -72,3 +76,43 @@ def test_eos_before_a_stop_string_finishes_as_eos(tokenizer, stop_after_eos):
     new, _, reason = one_round(generator, gen, round_tokens)
     assert reason == ("eos" if stop_after_eos else "stop")
     assert new == (ids[:1] + [eos] if stop_after_eos else ids[:1])
+
+
+def test_a_rounds_commit_lands_in_place_when_the_next_round_is_applied_before_it_runs(tokenizer, redis_server):
+    """A round's commit runs once the next round's verification has left (Generator._end_round),
+    and that verification may answer, and its round be applied to the handle, before the
+    commit's turn comes. The commit must still write the round's own tokens at their own
+    offset: the stored session is what later calls continue from."""
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30)
+        generator, gen = begin(tokenizer, store=store)
+        await store.create(gen.handle)
+        ids = tokenizer(TEXT * 3)["input_ids"]
+        emitted = []
+
+        async def emit(text, tokens):
+            emitted.append(tokens)
+
+        def end(new, first):
+            book = _Round(len(new) - 1, len(new) - 1, (), len(new), 1, True, 1, 0.01, 0.005, False, ())
+            return generator._end_round(gen, book, new, None, emit, first=first)
+
+        rounds = [ids[0:3], ids[3:7], ids[7:9], ids[9:12]]
+        news = [one_round(generator, gen, rounds[0])[0]]
+        release, pending = end(news[0], first=True)
+        for tokens in rounds[1:]:
+            news.append(one_round(generator, gen, tokens)[0])  # applied before the last round's commit runs
+            release.set()
+            await pending
+            release, pending = end(news[-1], first=False)
+        release.set()
+        await pending
+        stored = await store.load(gen.handle.session_id)
+        await client.aclose()
+        return stored, emitted, news
+
+    stored, emitted, news = asyncio.run(go())
+    assert emitted == news
+    assert stored.committed == tokenizer(PROMPT)["input_ids"] + [t for new in news for t in new]
+    assert stored.length == stored.cursor.target_len + 1
