@@ -127,7 +127,7 @@ class SessionStore:
         return SessionHandle(session_id, meta["draft"], meta["target"], int(meta["epoch"]), committed,
                              cursor, json.loads(meta["params"]))
 
-    def round_commit(self, handle: SessionHandle, new_tokens: list[int]) -> "RoundCommit":
+    def round_commit(self, handle: SessionHandle, new_tokens: list[int]) -> RoundCommit:
         """A round's commit as the handle stands *now*: the round's tokens and what the caches
         hold after it. Taken as the round ends, because the commit itself runs later, beside
         the next round's calls, and that round may already have changed the handle by then
@@ -140,7 +140,7 @@ class SessionStore:
             args.extend(field_value)
         return RoundCommit(list(self._keys(handle.session_id)), args)
 
-    async def commit(self, commit: "RoundCommit") -> None:
+    async def commit(self, commit: RoundCommit) -> None:
         """One round trip, one atomic script (the stored length guards readers against a
         partially applied append anyway). While Redis restarts the stream waits, with
         backoff, up to commit_retry_seconds."""
