@@ -21,9 +21,11 @@ A last row per gap is no call at all: the same one-token target step in this pro
 over a cache that grows as the replica's session does, after the same idle gap.
 
 The rows are timed one after another, and on this machine the speed drifts by 10–30 %
-within a minute, so a last table pairs them call by call: each Verify call, then the same
-step here over a cache of the same length (this process idled while the replica worked,
-as a replica idles while the other pool works), then one more step right after it.
+within a minute, so a last table pairs them call by call, by unary gRPC and over the
+frame link: each call, then the same verification here by the same engine code
+(`TargetEngine.verify`, whose time the replica reports as its compute) over a cache of the
+same length (this process idled while the replica worked, as a replica idles while the
+other pool works), then one more right after it.
 Before that table existed, the unpaired rows were read as a replica computing a third
 slower than this process (2026-12-01 17:45 UTC: 7.7–8.1 ms of replica compute against a
 5.5 ms step here back to back, a minute apart); paired in the same run, the replica's
@@ -111,71 +113,86 @@ VIAS = {"unary": "Verify", "stream": "VerifyStream message", "mux": "VerifyMux c
         "frames": "VerifyMux call over the frame link"}
 
 
-async def time_verify(address: str, calls: int, gap_s: float, tag: str, via: str = "unary",
-                      frame_port: int = 0) -> tuple[list[float], list[float]]:
-    """By unary calls, over one stream, or over the shared multiplexed stream by gRPC or
-    by the replica's frame link (`frame_port`), as the orchestrator's --internal-calls
-    unary, stream, mux and frames send a round's calls: → (wall − compute ms, compute ms)
-    per call."""
+def _sender(stub, channel_address: str, via: str, frame_port: int):
+    """→ (link or None, send(request) → answer) for one way of calling: unary calls, one
+    stream, or the shared multiplexed stream by gRPC or by the replica's frame link, as the
+    orchestrator's --internal-calls unary, stream, mux and frames send a round's calls."""
     from orchestrator.frame_stream import FrameStream
     from orchestrator.mux_link import MuxLink
     from orchestrator.round_stream import RoundStream
+    from specdec.internal.v1 import replica_pb2
+
+    name = f"target replica {channel_address}"
+    if via == "unary":
+        return None, (lambda req: stub.Verify(req, timeout=10))
+    if via == "stream":
+        link = RoundStream(stub.VerifyStream, name, "target")
+        return link, (lambda req: link.call(req, 10))
+    opener = (stub.VerifyMux if via == "mux" else
+              lambda: FrameStream("127.0.0.1", frame_port, "VerifyMux", replica_pb2.VerifyAnswers, name))
+    link = MuxLink(opener, name, "target", replica_pb2.VerifyCall, replica_pb2.VerifyCalls)
+    return link, (lambda req: link.call(req, 10))
+
+
+async def _close_link(link) -> None:
+    from orchestrator.round_stream import RoundStream
+
+    if isinstance(link, RoundStream):
+        await link.close()
+    elif link is not None:
+        link.close()
+
+
+async def time_verify(address: str, calls: int, gap_s: float, tag: str, via: str = "unary",
+                      frame_port: int = 0) -> tuple[list[float], list[float]]:
+    """One way of calling (`_sender`): → (wall − compute ms, compute ms) per call."""
     from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 
-    name = f"target replica {address}"
     async with grpc.aio.insecure_channel(address) as channel:
         stub = replica_pb2_grpc.TargetStub(channel)
-        if via == "unary":
-            link, send = None, (lambda req: stub.Verify(req, timeout=10))
-        elif via == "stream":
-            link = RoundStream(stub.VerifyStream, name, "target")
-            send = lambda req: link.call(req, 10)  # noqa: E731
-        else:
-            opener = (stub.VerifyMux if via == "mux" else
-                      lambda: FrameStream("127.0.0.1", frame_port, "VerifyMux", replica_pb2.VerifyAnswers, name))
-            link = MuxLink(opener, name, "target", replica_pb2.VerifyCall, replica_pb2.VerifyCalls)
-            send = lambda req: link.call(req, 10)  # noqa: E731
+        link, send = _sender(stub, address, via, frame_port)
         session = f"rpc-floor-{tag}"
         calls_made = await _decode_session(send, calls, gap_s, session)
-        if isinstance(link, RoundStream):
-            await link.close()
-        elif link is not None:
-            link.close()
+        await _close_link(link)
         await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
         return [wall - resp.compute_ms for wall, resp in calls_made], [resp.compute_ms for _, resp in calls_made]
 
 
-async def time_paired(address: str, runner, calls: int) -> tuple[list[float], list[float], list[float]]:
-    """Each Verify call, then the same step in this process over a cache of the same
-    length, then one more right after it: → (the replica's compute, this process's step
-    after idling while the replica worked, the step back to back) in ms. Paired call by
-    call, so the machine's drift weighs on all three alike, where the rows of `measure`
-    are timed one after another."""
-    import torch
-
+async def time_paired(address: str, runner, calls: int, via: str = "unary",
+                      frame_port: int = 0) -> tuple[list[float], list[float], list[float]]:
+    """Each Verify call (by `via`), then the same verification in this process, by the same
+    engine code (`TargetEngine.verify`, whose compute_ms the replica reports), over a cache of
+    the same length, then one more right after it: → (the replica's compute, this process's
+    after idling while the replica worked, back to back) in ms. Paired call by call, so the
+    machine's drift weighs on all three alike, where the rows of `measure` are timed one
+    after another."""
     from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
-    from specdec.model_runner import ForwardItem
+    from specdec.sampling import SamplingParams
+    from specdec.sessions import CacheRef
+    from target_service.engine import TargetEngine, VerifyJob
 
-    cache = runner.new_cache()
-    runner.forward([ForwardItem(cache, torch.tensor(PROMPT), 1)])
-    token = torch.tensor([7])
+    engine, greedy = TargetEngine(runner), SamplingParams(temperature=0.0)
+    lengths = {sid: engine.verify([VerifyJob(CacheRef(sid, 1, 0, PROMPT), [], None, greedy)])[0].cache_length
+               for sid in ("after-idle", "back-to-back")}  # each grows one position a call, as the replica's
     after_idle, back_to_back = [], []
 
+    def step(sid: str) -> float:
+        verdict = engine.verify([VerifyJob(CacheRef(sid, 1, lengths[sid], [7]), [], None, greedy)])[0]
+        lengths[sid] = verdict.cache_length
+        return verdict.compute_ms
+
     def steps(keep: bool) -> None:
-        t0 = time.perf_counter()
-        runner.forward([ForwardItem(cache, token, 1)])
-        t1 = time.perf_counter()
-        runner.forward([ForwardItem(cache, token, 1)])
-        t2 = time.perf_counter()
-        cache.truncate(cache.length - 1)  # one position a call, as the replica's session
+        idle, b2b = step("after-idle"), step("back-to-back")
         if keep:
-            after_idle.append((t1 - t0) * 1000)
-            back_to_back.append((t2 - t1) * 1000)
+            after_idle.append(idle)
+            back_to_back.append(b2b)
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = replica_pb2_grpc.TargetStub(channel)
-        session = "rpc-floor-paired"
-        calls_made = await _decode_session(lambda req: stub.Verify(req, timeout=10), calls, 0.0, session, steps)
+        link, send = _sender(stub, address, via, frame_port)
+        session = f"rpc-floor-paired-{via}"
+        calls_made = await _decode_session(send, calls, 0.0, session, steps)
+        await _close_link(link)
         await stub.Release(replica_pb2.ReleaseRequest(session_id=session))
     return [resp.compute_ms for _, resp in calls_made], after_idle, back_to_back
 
@@ -222,10 +239,12 @@ async def measure(echo_address: str, target_address: str, calls: int, gaps_ms: l
             rows.append(f"| no call: target step in this process | {gap:g} ms | {med:.3f} | {p90:.3f} | {med:.3f} |")
     if runner is not None:
         rows += ["", "| paired, call by call | median ms | p90 ms |", "|---|---|---|"]
-        for name, values in zip(("replica's compute of a Verify call", "the same step here, after idling meanwhile",
-                                 "the same step here, back to back"), await time_paired(target_address, runner, calls)):
-            med, p90 = summary(values)
-            rows.append(f"| {name} | {med:.3f} | {p90:.3f} |")
+        for via in ("unary", "frames") if frame_port else ("unary",):
+            names = (f"replica's compute of a {VIAS[via]}", "the same verification here, after idling meanwhile",
+                     "the same verification here, back to back")
+            for name, values in zip(names, await time_paired(target_address, runner, calls, via, frame_port)):
+                med, p90 = summary(values)
+                rows.append(f"| {name} | {med:.3f} | {p90:.3f} |")
     return rows
 
 

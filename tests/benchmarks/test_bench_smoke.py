@@ -38,16 +38,19 @@ def test_rpc_floor_prints_echo_and_verify_rows(capsys):
     assert rpc_floor.main(["--calls", "3", "--gaps-ms", "0,1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     # header, rule, then echo, Verify, VerifyStream, VerifyMux over gRPC and over the frame
-    # link, and the bare step for each gap; then the paired table: header, rule and its three rows
-    assert len(rows) == 2 + 12 + 2 + 3
+    # link, and the bare step for each gap; then the paired table: header, rule and three rows
+    # by unary gRPC, three over the frame link
+    assert len(rows) == 2 + 12 + 2 + 6
     verify = [r for r in rows if r.startswith("| Verify")]
     assert len(verify) == 8 and sum("VerifyStream" in r for r in verify) == 2
     assert sum("VerifyMux call over the frame link" in r for r in verify) == 2
     assert all(float(r.split("|")[5]) > 0 for r in verify)  # the replica reported its compute time
     steps = [r for r in rows if r.startswith("| no call")]
     assert len(steps) == 2 and all(float(r.split("|")[3]) > 0 for r in steps)
-    paired = rows[-3:]
-    assert paired[0].startswith("| replica's compute") and all(float(r.split("|")[2]) > 0 for r in paired)
+    paired = rows[-6:]
+    assert paired[0].startswith("| replica's compute of a Verify |")
+    assert paired[3].startswith("| replica's compute of a VerifyMux call over the frame link |")
+    assert all(float(r.split("|")[2]) > 0 for r in paired)
 
 
 def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
