@@ -21,7 +21,7 @@ KIT=.gpukit
 # regex's version at import)
 WHEELS=(transformers==5.24.0 tokenizers==0.23.3 grpcio==1.85.3 grpcio-health-checking==1.85.1
         grpcio-reflection==1.85.1 protobuf==7.36.2 redis==8.1.0 prometheus-client==0.26.0
-        regex==2026.11.19)
+        regex==2026.11.19 uvloop==0.23.0)
 # libraries redis-server links that a base Ubuntu image lacks (it has libssl, libsystemd and
 # theirs): the working tree and the kit together must stay under the tool's 64 MiB
 REDIS_LIBS='libjemalloc|liblzf|libatomic'

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 
 import torch
 
 from draft_service.engine import DraftEngine, ProposeJob
-from specdec import sampling
-from specdec.config import add_common_args, add_replica_args, env, parse_args
+from specdec import event_loop, sampling
+from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
 from specdec.errors import InvalidRequest
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
@@ -94,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
+    with refusing_to_start("draft_service"):
+        loop = event_loop.resolve(args.event_loop)
     runner = build_runner(args, "draft_service")
     engine = DraftEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
 
@@ -104,4 +105,4 @@ def main(argv: list[str] | None = None) -> None:
                          {"ProposeMux": MuxMethod(servicer.propose, replica_pb2.ProposeCalls, replica_pb2.ProposeAnswer,
                                            replica_pb2.ProposeAnswers)})
 
-    asyncio.run(run())
+    event_loop.run(run(), loop)

@@ -16,7 +16,7 @@ from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
-from specdec import metrics
+from specdec import event_loop, metrics
 from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, refusing_to_start, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError
 from specdec.gc_tuning import freeze_startup_heap
@@ -320,7 +320,8 @@ async def serve(args: argparse.Namespace) -> None:
     await shell.server.start()
     await shell.set_serving(True)
     shell.install_signal_handlers()
-    log.info("orchestrator serving on %s:%d (tls=%s, auth=%s)", args.host, port, bool(creds), bool(token))
+    log.info("orchestrator serving on %s:%d (tls=%s, auth=%s, event loop %s)", args.host, port, bool(creds), bool(token),
+             type(asyncio.get_running_loop()).__module__.split(".")[0])
     await shell.stopping.wait()
     log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
     await shell.drain_and_stop(args.drain_seconds)
@@ -338,4 +339,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--overlap-forks must lie in 0..16, got {args.overlap_forks}")
     if not 0 <= args.overlap_min_use <= 1:
         ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
-    asyncio.run(serve(args))
+    with refusing_to_start("orchestrator"):
+        loop = event_loop.resolve(args.event_loop)
+    event_loop.run(serve(args), loop)

@@ -7,6 +7,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from specdec.event_loop import CHOICES as EVENT_LOOPS
+
 
 def env(name: str, default=None):
     return os.environ.get("SPECDEC_" + name, default)
@@ -66,6 +68,9 @@ def add_common_args(ap: argparse.ArgumentParser, default_port: int) -> None:
                     help="CA (PEM): servers require client certificates signed by it (mutual TLS); "
                          "clients verify servers with it [SPECDEC_TLS_CA_FILE]")
     ap.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="[SPECDEC_LOG_LEVEL]")
+    ap.add_argument("--event-loop", choices=EVENT_LOOPS, default=env("EVENT_LOOP", "auto"),
+                    help="auto (uvloop where installed, else asyncio's), uvloop or asyncio: the internal calls' "
+                         "sockets are served by it (specdec/event_loop.py) [SPECDEC_EVENT_LOOP]")
 
 
 def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str) -> None:

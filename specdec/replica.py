@@ -144,8 +144,9 @@ class ReplicaHost:
         await self.shell.set_serving(True)
         self.heartbeat.start()
         self.shell.install_signal_handlers()
-        log.info("%s replica serving on %s:%d (advertised as %s)%s", self.pool, self.args.host, port, self.address,
-                 f", frame link on port {self.frame_port}" if self.frame_port else "")
+        log.info("%s replica serving on %s:%d (advertised as %s)%s; event loop %s", self.pool, self.args.host, port,
+                 self.address, f", frame link on port {self.frame_port}" if self.frame_port else "",
+                 type(asyncio.get_running_loop()).__module__.split(".")[0])
         await self.shell.stopping.wait()
         log.info("draining: deregistering and finishing calls in flight (up to %.0fs)", self.args.drain_seconds)
         await self.heartbeat.stop()

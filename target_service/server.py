@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from draft_service.server import params_from_pb, ref_from_pb
-from specdec import sampling
-from specdec.config import add_common_args, add_replica_args, env, parse_args
+from specdec import event_loop, sampling
+from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
 from specdec.errors import InvalidRequest
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
@@ -90,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
+    with refusing_to_start("target_service"):
+        loop = event_loop.resolve(args.event_loop)
     runner = build_runner(args, "target_service")
     engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20, args.verification)
 
@@ -100,4 +101,4 @@ def main(argv: list[str] | None = None) -> None:
                          {"VerifyMux": MuxMethod(servicer.verify, replica_pb2.VerifyCalls, replica_pb2.VerifyAnswer,
                                            replica_pb2.VerifyAnswers)})
 
-    asyncio.run(run())
+    event_loop.run(run(), loop)

@@ -1,5 +1,9 @@
 """Cancelled and timed-out calls free their caches at once; the orchestrator and the
-replicas bound what they hold (RESOURCE_EXHAUSTED, LRU eviction with a clean rebuild)."""
+replicas bound what they hold (RESOURCE_EXHAUSTED, LRU eviction with a clean rebuild).
+
+This module's stack runs on asyncio's own event loop (`--event-loop asyncio`), the rest of
+the suite on the default, uvloop's: cancellation and deadlines are where two loops differ
+most, and both stay tested."""
 from __future__ import annotations
 
 import time
@@ -7,11 +11,25 @@ import time
 import grpc
 import pytest
 
+from localstack.stack import LocalStack
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, live_replicas, load_report, request, session_keys
+from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
 LONG = 1024  # tokens (the orchestrator's default cap): over a second at one stream here, far more than a test waits
+
+
+@pytest.fixture(scope="module")
+def stack(bundled_paths):
+    stack = started_stack(lambda: LocalStack(extra_env={"SPECDEC_EVENT_LOOP": "asyncio"}))
+    yield stack
+    stopped(stack)
+
+
+def test_the_stack_runs_on_asyncios_loop(stack):
+    logs = [path.read_text(errors="replace") for path in stack.workdir.glob("*.log") if "redis" not in path.name]
+    assert len(logs) == 3 and all("event loop asyncio" in log for log in logs)
 
 
 def held(stack) -> dict[str, int]:

@@ -105,6 +105,15 @@ def test_a_second_orchestrator_continues_a_session(local_stack, target_model, to
         local_stack.orchestrators.remove(other)
 
 
+def test_the_servers_run_on_uvloop_by_default(local_stack):
+    """The shared stack's servers take the default `--event-loop auto`: uvloop's loop, which
+    requirements.txt installs (tests/e2e/test_cancellation.py runs a stack on asyncio's)."""
+    logs = {path.name: path.read_text(errors="replace") for path in local_stack.workdir.glob("*.log")
+            if not path.name.startswith("redis")}
+    serving = [line for log in logs.values() for line in log.splitlines() if " serving on " in line]
+    assert len(serving) >= 3 and all(line.endswith(("event loop uvloop", "event loop uvloop)")) for line in serving)
+
+
 def test_health_and_reflection(local_stack):
     channel = grpc.insecure_channel(local_stack.orchestrator_address)
     status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Orchestrator"))
