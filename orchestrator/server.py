@@ -321,7 +321,7 @@ async def serve(args: argparse.Namespace) -> None:
     await shell.set_serving(True)
     shell.install_signal_handlers()
     log.info("orchestrator serving on %s:%d (tls=%s, auth=%s, event loop %s)", args.host, port, bool(creds), bool(token),
-             type(asyncio.get_running_loop()).__module__.split(".")[0])
+             event_loop.running())
     await shell.stopping.wait()
     log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
     await shell.drain_and_stop(args.drain_seconds)

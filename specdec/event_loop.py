@@ -42,3 +42,8 @@ def run(main: Coroutine, loop: str) -> None:
             runner.run(main)
         return
     asyncio.run(main)
+
+
+def running() -> str:
+    """The running loop's kind, for the servers' start-up line: "uvloop" or "asyncio"."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]

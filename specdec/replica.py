@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from specdec import metrics
+from specdec import event_loop, metrics
 from specdec.batcher import MicroBatcher
 from specdec.config import redis_client, refusing_to_start, setup_logging
 from specdec.errors import SpecDecError
@@ -146,7 +146,7 @@ class ReplicaHost:
         self.shell.install_signal_handlers()
         log.info("%s replica serving on %s:%d (advertised as %s)%s; event loop %s", self.pool, self.args.host, port,
                  self.address, f", frame link on port {self.frame_port}" if self.frame_port else "",
-                 type(asyncio.get_running_loop()).__module__.split(".")[0])
+                 event_loop.running())
         await self.shell.stopping.wait()
         log.info("draining: deregistering and finishing calls in flight (up to %.0fs)", self.args.drain_seconds)
         await self.heartbeat.stop()
