@@ -12,7 +12,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,10 +144,6 @@ class SessionStore:
         partially applied append anyway). While Redis restarts the stream waits, with
         backoff, up to commit_retry_seconds."""
         await self._retrying(self._commit_script, commit.keys, commit.args)
-
-    def commit_round(self, handle: SessionHandle, new_tokens: list[int]) -> Awaitable[None]:
-        """`round_commit` taken now, then `commit`."""
-        return self.commit(self.round_commit(handle, new_tokens))
 
     async def _retrying(self, script, keys: list[str], args: list):
         """The script's answer, retried with backoff while Redis is unreachable, for up to

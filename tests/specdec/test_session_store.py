@@ -26,7 +26,7 @@ async def _commit_rounds(store: SessionStore, handle: SessionHandle, rounds: lis
     for new in rounds:
         handle.committed.extend(new)
         handle.cursor = Cursor(handle.length - 1, handle.length - 1, False)
-        await store.commit_round(handle, new)
+        await store.commit(store.round_commit(handle, new))
 
 
 def test_rounds_commit_atomically_and_load_back(redis_server):
