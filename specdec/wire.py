@@ -46,12 +46,12 @@ def encode(q16: torch.Tensor) -> EncodedDistributions:
     if (kernels is not None and q16.dtype == torch.float32 and q16.device.type == "cpu"
             and q16.is_contiguous()):  # the dense bytes and the counts below in one call, to the bit
         dense, per_row = kernels.encode_fp16_rows(q16.detach())
-        if sum(per_row) * 6 >= gamma * vocab * 2:
+        if not _sparse_is_smaller(sum(per_row), gamma, vocab):
             return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=dense)
     a = q16.detach().cpu().numpy()
     nonzero = a > 0
     per_row = np.count_nonzero(nonzero, axis=1)
-    if int(per_row.sum()) * 6 < gamma * vocab * 2:
+    if _sparse_is_smaller(int(per_row.sum()), gamma, vocab):
         rows, ids = np.nonzero(nonzero)  # row-major order
         return EncodedDistributions(
             vocab_size=vocab, sparse=True,
@@ -60,6 +60,12 @@ def encode(q16: torch.Tensor) -> EncodedDistributions:
             row_lengths=tuple(per_row.tolist()),
         )
     return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=_to_fp16(a))
+
+
+def _sparse_is_smaller(entries: int, gamma: int, vocab: int) -> bool:
+    """Whether `entries` positive values as ids and fp16 (6 bytes each) take fewer bytes
+    than the dense fp16 block of γ × V (2 bytes each)."""
+    return entries * 6 < gamma * vocab * 2
 
 
 def _to_fp16(values: np.ndarray) -> bytes:
