@@ -71,6 +71,9 @@ MUX_MESSAGES = Counter("specdec_mux_messages_total",
                        "Messages written on the multiplexed streams to the pools", ["pool"])
 MUX_CALLS = Counter("specdec_mux_calls_total",
                     "Calls sent on the multiplexed streams to the pools (÷ messages: calls per message)", ["pool"])
+REDIS_COMMIT_BATCH = Histogram("specdec_redis_commit_batch_size",
+                               "Round commits sent to Redis in one write (the commits of one event-loop turn)",
+                               buckets=(1, 2, 4, 8, 16, 32, 64))
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
 
 # every process

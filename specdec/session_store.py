@@ -18,6 +18,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from specdec.commit_batch import CommitBatcher
 from specdec.errors import SessionNotFound, Unavailable
 from specdec.rounds import Cursor
 
@@ -87,6 +88,7 @@ class SessionStore:
         # EVALSHA, loading the script again after a Redis restart forgot it (NOSCRIPT)
         self._commit_script = client.register_script(COMMIT_SCRIPT)
         self._unlock_script = client.register_script(UNLOCK_SCRIPT)
+        self._commits = CommitBatcher(client, COMMIT_SCRIPT, self._commit_script.sha, commit_retry_seconds)
 
     @staticmethod
     def new_id() -> str:
@@ -140,10 +142,11 @@ class SessionStore:
         return RoundCommit(list(self._keys(handle.session_id)), args)
 
     async def commit(self, commit: RoundCommit) -> None:
-        """One round trip, one atomic script (the stored length guards readers against a
-        partially applied append anyway). While Redis restarts the stream waits, with
+        """One atomic script (the stored length guards readers against a partially applied
+        append anyway), sent in one write with the other sessions' commits of this loop
+        turn (specdec/commit_batch.py). While Redis restarts the stream waits, with
         backoff, up to commit_retry_seconds."""
-        await self._retrying(self._commit_script, commit.keys, commit.args)
+        await self._commits.submit(commit.keys, commit.args)
 
     async def _retrying(self, script, keys: list[str], args: list):
         """The script's answer, retried with backoff while Redis is unreachable, for up to
