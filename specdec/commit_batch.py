@@ -5,9 +5,10 @@ and each then commits its round: one script call apiece, each its own send, its 
 of Redis and its own trip through redis-py's command packing. Here the commits submitted in
 one turn leave together on the next, as one write of pre-packed RESP on one pooled
 connection, and their replies are read in order. Against a local redis-server, 16 commits
-a turn cost the orchestrator about 30-36 µs of CPU each this way, against 100-117 µs as 16
-separate script calls and 54-63 µs through a redis-py pipeline (`benchmarks/HISTORY.md`,
-"Round commits in one round trip"). A lone commit waits one loop turn, a few µs.
+a turn cost the client 32-34 µs of CPU each this way, 42-43 µs through a redis-py pipeline
+and 64-76 µs as a script call each, and Redis 13-15 µs against 21-29 µs
+(`python -m benchmarks.commit_probe`; benchmarks/HISTORY.md, "Round commits in one round
+trip"). A lone commit waits one loop turn, a few µs.
 
 Every commit is absolute (SETRANGE at an offset, the whole cursor), so a batch, or part of
 one, may be sent again: a broken connection, a timeout or an error reply is retried with

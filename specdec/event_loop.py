@@ -12,7 +12,9 @@ either loop.
 from __future__ import annotations
 
 import asyncio
-from typing import Coroutine
+from typing import Any, Coroutine, TypeVar
+
+T = TypeVar("T")
 
 CHOICES = ("auto", "uvloop", "asyncio")
 
@@ -33,15 +35,14 @@ def resolve(choice: str) -> str:
     return "uvloop"
 
 
-def run(main: Coroutine, loop: str) -> None:
-    """Run `main` to completion on a new loop of the kind `resolve` chose."""
+def run(main: Coroutine[Any, Any, T], loop: str) -> T:
+    """Run `main` to completion on a new loop of the kind `resolve` chose → its result."""
     if loop == "uvloop":
         import uvloop
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main)
-        return
-    asyncio.run(main)
+            return runner.run(main)
+    return asyncio.run(main)
 
 
 def running() -> str:

@@ -53,6 +53,15 @@ def test_rpc_floor_prints_echo_and_verify_rows(capsys):
     assert all(float(r.split("|")[2]) > 0 for r in paired)
 
 
+def test_commit_probe_prints_a_row_per_way(capsys):
+    from benchmarks import commit_probe
+
+    assert commit_probe.main(["--sessions", "3", "--turns", "5", "--rounds", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == list(commit_probe.WAYS)
+    assert all(float(r.split("|")[4]) > 0 for r in rows[1:])  # wall time per commit
+
+
 def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     from benchmarks import stack_probe
 
@@ -186,6 +195,7 @@ REFUSALS = [
     ("stop_rule_probe", ["--thresholds", "0.1,x"], "--thresholds"),
     ("stop_rule_probe", ["--max-gamma", "0"], "--max-gamma"),
     ("draw_probe", ["--reps", "0"], "--reps"),
+    ("commit_probe", ["--sessions", "0"], "--sessions"),
 ]
 
 

@@ -25,8 +25,9 @@ def test_run_runs_the_coroutine_on_the_chosen_loop(name, loop_type):
     async def main():
         await asyncio.sleep(0)
         seen.append(asyncio.get_running_loop())
+        return 42
 
-    event_loop.run(main(), name)
+    assert event_loop.run(main(), name) == 42  # the coroutine's result comes back
     assert isinstance(seen[0], loop_type)
     assert (type(seen[0]).__module__.split(".")[0] == "uvloop") == (name == "uvloop")
 
