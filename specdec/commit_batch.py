@@ -49,33 +49,40 @@ class CommitBatcher:
         self.sha = sha
         self.retry_seconds = retry_seconds
         self._pending: list[_Pending] = []
-        self._senders: set[asyncio.Task] = set()
+        self._next: asyncio.Task | None = None  # the sender that will take the pending commits
+        self._senders: set[asyncio.Task] = set()  # every sender still running (tasks need a reference)
         self.round_trips = 0  # writes that carried commits (retries included)
 
     async def submit(self, keys: Sequence[str], args: Sequence) -> None:
         """Run the script once for these keys and arguments, beside whatever else is
         submitted in this turn; Unavailable once it could not land within retry_seconds."""
         command = pack_command(["EVALSHA", self.sha, len(keys), *keys, *args])
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self._pending.append((command, waiter))
-        if len(self._pending) == 1:
-            task = asyncio.ensure_future(self._send_next_turn())
+        if self._next is None or self._next.done():  # done: cancelled before it ran (a loop's end)
+            self._next = task = loop.create_task(self._send_next_turn())
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
         await waiter
 
     async def _send_next_turn(self) -> None:
         """A task runs its first step on the loop's next turn: by then every commit of this
-        turn is queued. Nothing here raises to the task; every waiter gets its outcome."""
+        turn is queued. Nothing here raises to the task's awaiter (it has none): every
+        waiter gets its outcome, a bug's exception included."""
+        self._next = None
         batch, self._pending = self._pending, []
         metrics.REDIS_COMMIT_BATCH.observe(len(batch))
         try:
             await self._land(batch)
-        except asyncio.CancelledError:  # the server is stopping
+        except BaseException as exc:
+            stopping = isinstance(exc, asyncio.CancelledError)
             for _, waiter in batch:
                 if not waiter.done():
-                    waiter.set_exception(Unavailable("the orchestrator stopped before the round's commit landed"))
-            raise
+                    waiter.set_exception(Unavailable("the orchestrator stopped before the round's commit landed")
+                                         if stopping else Unavailable(f"the round's commit failed: {exc!r}"))
+            if stopping:
+                raise
 
     async def _land(self, batch: list[_Pending]) -> None:
         give_up, delay = time.monotonic() + self.retry_seconds, 0.05

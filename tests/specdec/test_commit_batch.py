@@ -111,3 +111,26 @@ def test_commits_give_up_when_redis_stays_away(redis_server):
         await client.aclose()
 
     asyncio.run(go())
+
+
+def test_an_unexpected_error_reaches_every_waiter_instead_of_stalling_them(redis_server, monkeypatch):
+    """A fault that is not Redis's (here injected into the write) must not leave a round
+    waiting forever for its commit."""
+    from specdec.commit_batch import CommitBatcher
+
+    async def broken(self, commands):
+        raise ValueError("a fault in the write")
+
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30)
+        handles = _handles(3)
+        for h in handles:
+            await store.create(h)
+        monkeypatch.setattr(CommitBatcher, "_round_trip", broken)
+        results = await asyncio.wait_for(asyncio.gather(*(store.commit(_advance(store, h, [7])) for h in handles),
+                                                        return_exceptions=True), 5)
+        assert all(isinstance(r, Unavailable) and "a fault in the write" in str(r) for r in results)
+        await client.aclose()
+
+    asyncio.run(go())
