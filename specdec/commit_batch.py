@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from specdec import metrics
 from specdec.errors import Unavailable
 
-_Pending = tuple[list[bytes], asyncio.Future]  # (one packed command, its waiter)
+_Pending = tuple[bytes, asyncio.Future]  # (one packed command, its waiter)
 
 
 def pack_command(args: Sequence) -> bytes:
