@@ -21,6 +21,16 @@ def _handles(n: int) -> list[SessionHandle]:
             for i in range(n)]
 
 
+async def _sessions(url: str, n: int, retry_seconds: float = 5.0):
+    """→ (client, store, n handles created in Redis)."""
+    client = aioredis.from_url(url)
+    store = SessionStore(client, ttl_seconds=30, commit_retry_seconds=retry_seconds)
+    handles = _handles(n)
+    for h in handles:
+        await store.create(h)
+    return client, store, handles
+
+
 def _advance(store: SessionStore, handle: SessionHandle, new: list[int]):
     handle.committed.extend(new)
     handle.cursor = Cursor(handle.length - 1, handle.length - 1, False)
@@ -31,11 +41,7 @@ def test_one_turns_commits_go_in_one_round_trip_and_each_lands(redis_server):
     """16 sessions answered together commit in one write; every handle reads back whole,
     including binary token bytes that hold \\r\\n."""
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30)
-        handles = _handles(16)
-        for h in handles:
-            await store.create(h)
+        client, store, handles = await _sessions(redis_server.url, 16)
         for k in range(3):
             trips = store._commits.round_trips
             # token 2573 is b"\x0d\x0a\x00\x00" in int32 little-endian: RESP's line end inside the bytes
@@ -55,11 +61,7 @@ def test_a_failing_commit_fails_alone(redis_server):
     """One session's keys broken (its token key of the wrong type): its commit ends in
     Unavailable after the retry window, the others of its write land."""
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30, commit_retry_seconds=0.3)
-        handles = _handles(4)
-        for h in handles:
-            await store.create(h)
+        client, store, handles = await _sessions(redis_server.url, 4, 0.3)
         await client.delete(PREFIX + "s2:tokens")
         await client.hset(PREFIX + "s2:tokens", "x", "y")  # SETRANGE on it: WRONGTYPE
         results = await asyncio.gather(*(store.commit(_advance(store, h, [7])) for h in handles),
@@ -77,11 +79,7 @@ def test_commits_wait_out_a_redis_restart_and_reload_the_script(redis_server):
     """Commits sent while Redis is down land once it is back (it forgot the script: NOSCRIPT,
     loaded again), all in their places."""
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30)
-        handles = _handles(3)
-        for h in handles:
-            await store.create(h)
+        client, store, handles = await _sessions(redis_server.url, 3)
         await asyncio.gather(*(store.commit(_advance(store, h, [7])) for h in handles))
         redis_server.stop()
 
@@ -101,10 +99,7 @@ def test_commits_wait_out_a_redis_restart_and_reload_the_script(redis_server):
 
 def test_commits_give_up_when_redis_stays_away(redis_server):
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30, commit_retry_seconds=0.3)
-        handle = _handles(1)[0]
-        await store.create(handle)
+        client, store, (handle,) = await _sessions(redis_server.url, 1, 0.3)
         redis_server.stop()
         with pytest.raises(Unavailable, match="Redis is unavailable"):
             await store.commit(_advance(store, handle, [7]))
@@ -122,11 +117,7 @@ def test_an_unexpected_error_reaches_every_waiter_instead_of_stalling_them(redis
         raise ValueError("a fault in the write")
 
     async def go():
-        client = aioredis.from_url(redis_server.url)
-        store = SessionStore(client, ttl_seconds=30)
-        handles = _handles(3)
-        for h in handles:
-            await store.create(h)
+        client, store, handles = await _sessions(redis_server.url, 3)
         monkeypatch.setattr(CommitBatcher, "_round_trip", broken)
         results = await asyncio.wait_for(asyncio.gather(*(store.commit(_advance(store, h, [7])) for h in handles),
                                                         return_exceptions=True), 5)
