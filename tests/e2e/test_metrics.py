@@ -31,6 +31,10 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
         assert m['specdec_time_per_output_token_seconds_sum{method="GenerateStream"}'] == pytest.approx(per_token / 1000)
         assert m['specdec_time_per_output_token_seconds_count{method="Generate"}'] == 1
         assert m["specdec_rounds_total"] >= r.stats.rounds
+        # every round's commit reached Redis, each alone in its write (one generation at a time)
+        rounds = r.stats.rounds + chunks[-1].stats.rounds
+        assert m["specdec_redis_commit_batch_size_sum"] == rounds
+        assert m["specdec_redis_commit_batch_size_count"] == rounds
         assert m["specdec_drafted_tokens_total"] >= r.stats.drafted_tokens > 0
         assert m['specdec_drafted_at_position_total{position="0"}'] >= 1
         assert 'specdec_requests_total{code="OK",method="Generate"}' in m
