@@ -1,6 +1,7 @@
 """The speculate → verify → correct loop across the two pools.
 
-Per round: one draft call, one target call, one Redis commit (a single script call). Replica failures
+Per round: one draft call, one target call, one Redis commit (a single script call, sent in
+one write with the other sessions' commits of the same loop turn). Replica failures
 are absorbed here: a dead replica is replaced by a live one of its pool and the cache is
 rebuilt from the committed tokens; with no draft replica left the loop goes on
 target-only and picks speculation up again when a draft returns.
