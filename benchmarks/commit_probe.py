@@ -19,22 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 
 import redis.asyncio as aioredis
 
+from benchmarks.stack_probe import cpu_seconds
 from localstack.stack import LocalStack
 from specdec import event_loop
 from specdec.rounds import Cursor
 from specdec.session_store import COMMIT_SCRIPT, RoundCommit, SessionHandle, SessionStore
 
 WAYS = ("batched", "pipeline", "separate")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Committer:

@@ -18,6 +18,7 @@ restart) gets it loaded again. Each waiter gets its own outcome.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from typing import Sequence
 
@@ -43,10 +44,10 @@ def pack_command(args: Sequence) -> bytes:
 class CommitBatcher:
     """Sends the script calls submitted in one loop turn as one write on the next."""
 
-    def __init__(self, client: aioredis.Redis, script_source: str, sha: str, retry_seconds: float) -> None:
+    def __init__(self, client: aioredis.Redis, script_source: str, retry_seconds: float) -> None:
         self.redis = client
         self.script_source = script_source
-        self.sha = sha
+        self.sha = hashlib.sha1(script_source.encode()).hexdigest()  # the name Redis knows a script by
         self.retry_seconds = retry_seconds
         self._pending: list[_Pending] = []
         self._next: asyncio.Task | None = None  # the sender that will take the pending commits

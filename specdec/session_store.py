@@ -85,10 +85,10 @@ class SessionStore:
         self.redis = client
         self.ttl = ttl_seconds
         self.commit_retry_seconds = commit_retry_seconds  # rides out a Redis restart mid-stream
-        # EVALSHA, loading the script again after a Redis restart forgot it (NOSCRIPT)
-        self._commit_script = client.register_script(COMMIT_SCRIPT)
+        # EVALSHA, loading the script again after a Redis restart forgot it (NOSCRIPT); the
+        # commit script's batcher does the same for its own
         self._unlock_script = client.register_script(UNLOCK_SCRIPT)
-        self._commits = CommitBatcher(client, COMMIT_SCRIPT, self._commit_script.sha, commit_retry_seconds)
+        self._commits = CommitBatcher(client, COMMIT_SCRIPT, commit_retry_seconds)
 
     @staticmethod
     def new_id() -> str:

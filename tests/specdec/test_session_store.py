@@ -54,9 +54,9 @@ def test_commit_goes_on_after_redis_restarts(redis_server):
         redis_server.stop()
         redis_server.start()  # same port and directory: the append-only file keeps the handle
         fresh = aioredis.from_url(redis_server.url)
-        assert await fresh.script_exists(store._commit_script.sha) == [False]
+        assert await fresh.script_exists(store._commits.sha) == [False]
         await _commit_rounds(store, handle, [[16]])  # the old connection broke: retried
-        assert await fresh.script_exists(store._commit_script.sha) == [True]
+        assert await fresh.script_exists(store._commits.sha) == [True]
         await fresh.aclose()
         assert (await store.load("s1")).committed == [11, 12, 13, 14, 15, 16]
         await client.aclose()
