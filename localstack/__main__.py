@@ -23,19 +23,20 @@ def cmd_run(args) -> int:
     stack = _stack(args)
     stack.quiet = False
     stack.redis_port = args.redis_port
-    stack.start_redis()
-    for _ in range(args.targets):
-        stack.start_replica("target", port=args.target_port if args.targets == 1 else 0, wait=False)
-    for _ in range(args.drafts):
-        stack.start_replica("draft", port=args.draft_port if args.drafts == 1 else 0, wait=False)
-    stack.start_orchestrator(port=args.port, wait=False,
-                             extra=["--metrics-port", str(args.metrics_port)] if args.metrics_port else [])
-    stack.wait_all(args.drafts, args.targets)
-    print(f"\nready: orchestrator on 127.0.0.1:{args.port}, Redis on {stack.redis_url}; "
-          f"try: .venv/bin/python -m orchestrator.client 'def parse(' --max-new-tokens 64\nCtrl-C stops.", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    try:
+    try:  # a process that fails to start stops the others too
+        stack.start_redis()
+        for _ in range(args.targets):
+            stack.start_replica("target", port=args.target_port if args.targets == 1 else 0, wait=False)
+        for _ in range(args.drafts):
+            stack.start_replica("draft", port=args.draft_port if args.drafts == 1 else 0, wait=False)
+        stack.start_orchestrator(port=args.port, wait=False,
+                                 extra=["--metrics-port", str(args.metrics_port)] if args.metrics_port else [])
+        stack.wait_all(args.drafts, args.targets)
+        print(f"\nready: orchestrator on 127.0.0.1:{args.port}, Redis on {stack.redis_url}; "
+              f"try: .venv/bin/python -m orchestrator.client 'def parse(' --max-new-tokens 64\nCtrl-C stops.",
+              flush=True)
         while not stop:
             dead = [r for r in stack.replicas + stack.orchestrators if r.proc.poll() is not None]
             if dead:
@@ -44,6 +45,9 @@ def cmd_run(args) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as exc:  # a process that did not come up: its log is above
+        print(f"the stack did not start: {exc}", file=sys.stderr)
+        return 1
     finally:
         print("stopping the stack", flush=True)
         stack.stop()

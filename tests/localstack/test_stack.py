@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 import redis
 
-from localstack.stack import LocalStack
+from localstack.stack import LocalStack, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -30,3 +33,25 @@ def test_a_replica_that_cannot_register_is_reported_with_redis_state_and_its_log
     assert "NOREPLICAS" in message, "the diagnostics should show that Redis refuses writes"
     assert "registry: cannot register in Redis" in message, "the replica's log tail should be in the error"
     assert "--- draft on" in message and "(running)" in message
+
+
+def test_run_that_cannot_start_stops_what_it_started(bundled_paths):
+    """`python -m localstack run` whose orchestrator cannot bind its port exits with status
+    1 and a line saying why, and leaves no Redis or replica behind on their ports."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = {name: free_port() for name in ("draft", "target", "redis")}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "localstack", "run", "--port", str(taken.getsockname()[1]),
+             "--draft-port", str(ports["draft"]), "--target-port", str(ports["target"]),
+             "--redis-port", str(ports["redis"]), "--metrics-port", "0"],
+            capture_output=True, text=True, timeout=180)
+    finally:
+        taken.close()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "the stack did not start" in proc.stderr
+    for name, port in ports.items():
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"the {name} on port {port} outlived the launcher"
