@@ -4,7 +4,10 @@ Per round: one draft call, one target call, one Redis commit (a single script ca
 one write with the other sessions' commits of the same loop turn). Replica failures
 are absorbed here: a dead replica is replaced by a live one of its pool and the cache is
 rebuilt from the committed tokens; with no draft replica left the loop goes on
-target-only and picks speculation up again when a draft returns.
+target-only and picks speculation up again when a draft returns. A draft replica that is
+there but does not answer (a pause, a hang, a queue far too long) is not waited for beyond
+`draft_wait`: the round goes on target-only and the session drafts again once the replica
+has answered (`Generator._in_time`).
 """
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ STOP_BELOW_SAMPLED = 0.0
 # MuxLink is written on the second turn after (its writer wakes, then yields one turn for
 # the calls of other sessions to join the same message)
 CALL_TURNS = 2
+# a draft call (a proposal, or a pre-draft the next round would use) not answered within
+# this many seconds is left to finish on its own and the round goes on target-only
+# (`Generator._in_time`): a replica that stalls (a pause, a hang, a queue far too long)
+# costs its sessions this wait once instead of the whole stall
+DRAFT_WAIT_S = 0.25
 
 
 @dataclass
@@ -116,12 +124,23 @@ class _Generation:
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
     calls: list["_Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping
+    # a draft call the loop stopped waiting for (`Generator._in_time`): until it ends the
+    # session makes no other, and its rounds are target-only
+    late: asyncio.Task | None = None
 
     @property
     def governed(self) -> bool:
         """Whether the load governor may turn this generation's speculation off: adaptive
         γ only, and not a seeded sampled request (its policy is deterministic)."""
         return self.policy.fixed is None and not self.policy.deterministic
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    """A draft replica's answer to a proposal, with what was asked and how long it took."""
+    response: replica_pb2.ProposeResponse
+    ref: CacheRef  # the cache positions and tokens the call fed
+    ms: float
 
 
 @dataclass(frozen=True)
@@ -177,7 +196,7 @@ class Generator:
                  overlap_min_hit: float = OVERLAP_MIN_HIT, overlap_min_use: float = OVERLAP_MIN_USE,
                  calls: str = "mux", overlap_forks: int = OVERLAP_FORKS,
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
-                 governor: LoadGovernor | None = None) -> None:
+                 governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -193,6 +212,9 @@ class Generator:
         self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
         self.governor = governor or LoadGovernor()  # speculation on or off under load, by measurement
         self.active = 0  # generations in flight in this process: the governor's load
+        self.draft_wait = draft_wait  # seconds a draft call is waited for (None: its whole timeout)
+        self._background: set[asyncio.Future] = set()  # late draft calls and releases that outlive their generation
+        self._stalled: dict[str, int] = {}  # draft replica → its calls late now (`_in_time`)
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
@@ -225,10 +247,10 @@ class Generator:
             raise DeadlineExceeded("the client's deadline passed during generation")
         return min(left, self.call_timeout)
 
-    async def _propose(self, gen: "_Generation", gamma: int) -> replica_pb2.ProposeResponse | None:
+    async def _propose(self, gen: "_Generation", gamma: int) -> "_Proposal | None":
         """→ the proposal (at most γ tokens: fewer where the confidence stop cut it), or None
         when no draft replica can serve."""
-        handle, stats, deadline = gen.handle, gen.stats, gen.deadline
+        handle, deadline = gen.handle, gen.deadline
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
                 handle.draft_replica = await self.pools.pick("draft") or ""
@@ -243,12 +265,9 @@ class Generator:
             try:
                 resp = await gen.links.propose(handle.draft_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
-                self._on_error(exc, handle, "draft", deadline, stats)
+                self._on_error(exc, handle, "draft", deadline, gen.stats)
                 continue
-            ms = (time.perf_counter() - t0) * 1000
-            stats.draft_ms += ms
-            gen.calls.append(_Call("draft", ms, None, resp, len(ref.tokens) <= 2, gamma))
-            return resp
+            return _Proposal(resp, ref, (time.perf_counter() - t0) * 1000)
         return None
 
     async def _verify(self, gen: "_Generation", draft_tokens: list[int],
@@ -361,7 +380,7 @@ class Generator:
             if self.calls == "unary":
                 task.cancel()
             return None
-        spec = await task
+        spec = await self._in_time(gen, task)
         if spec is None or not spec.draft_tokens:
             return None
         metrics.OVERLAP.labels("fork_hit").inc()
@@ -373,7 +392,9 @@ class Generator:
         the rest was drafted on exactly the committed prefix, with the same per-position
         randomness, so it is the draft the next round would have made."""
         greedy = gen.policy.greedy
-        spec = await ahead
+        spec = await self._in_time(gen, ahead)
+        if gen.late is ahead:
+            return None
         if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
             self.costs.observe_predraft(greedy, False)
             return None
@@ -449,7 +470,7 @@ class Generator:
             self.active -= 1
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
-            await asyncio.shield(self._close(handle, req, owner, pending, gen.links))
+            await asyncio.shield(self._close(handle, req, owner, pending, gen.links, gen.late))
         metrics.TOKENS.inc(len(generated))
         return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
                        handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
@@ -518,18 +539,82 @@ class Generator:
             gen.handle.draft_replica = await self.pools.pick("draft") or ""
             gen.handle.cursor.draft_len = 0
 
+    async def _in_time(self, gen: "_Generation", task: asyncio.Future):
+        """→ the draft call's result, or None where it has not come within `draft_wait`:
+        the call is then left to finish on its own (`gen.late`) and the round goes on
+        target-only, which keeps the output law (a round's γ may be anything, 0 included).
+        A seeded sampled session waits the call out instead: its tokens depend on where
+        its rounds end, and it must reproduce (a replica that fails is replaced anyway)."""
+        if not task.done():
+            wait = None if gen.policy.deterministic else self.draft_wait
+            try:
+                await asyncio.wait((task,), timeout=wait)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            if not task.done():
+                gen.late = task
+                self._note_stall(gen.handle.draft_replica, task)
+                metrics.DRAFT_LATE.inc()
+                log.info("draft replica %s has not answered session %s within %.0f ms; going on target-only "
+                         "until it does", gen.handle.draft_replica, gen.handle.session_id, wait * 1000)
+                return None
+        return task.result()
+
+    def _note_stall(self, address: str, task: asyncio.Future) -> None:
+        """A replica owes a late call until that call ends: the other sessions on it skip
+        their drafts meanwhile rather than each wait `draft_wait` for it to answer."""
+        self._stalled[address] = self._stalled.get(address, 0) + 1
+
+        def ended(_: asyncio.Future) -> None:
+            left = self._stalled.pop(address, 1) - 1
+            if left:
+                self._stalled[address] = left
+
+        task.add_done_callback(ended)
+
+    def _draft_ready(self, gen: "_Generation") -> bool:
+        """Whether the session may call its draft replica: not while a call it stopped
+        waiting for is out, nor while that replica owes another session a late call
+        (except a seeded sampled session, which waits its calls out, `_in_time`)."""
+        if gen.late is not None:
+            if not gen.late.done():
+                return False
+            self._settle_late(gen)
+        return not self._stalled or gen.handle.draft_replica not in self._stalled or gen.policy.deterministic
+
+    def _settle_late(self, gen: "_Generation") -> None:
+        """A late call has ended. A late proposal that did come fed the draft's cache the
+        committed tokens it carried, which the next call need not feed again."""
+        late, gen.late = gen.late, None
+        if late.cancelled():
+            return
+        exc = late.exception()
+        if exc is not None:  # its own failure handling has run (`_propose`); nothing to add
+            log.info("a late draft call of session %s failed: %s", gen.handle.session_id, exc)
+            return
+        got = late.result()
+        if isinstance(got, _Proposal):  # a pre-draft fed nothing the cursor counts
+            cursor = gen.handle.cursor
+            fed = got.ref.start + len(got.ref.tokens)
+            cursor.draft_len = max(cursor.draft_len, min(fed, len(gen.handle.committed) - 1))
+
     async def _draft(self, gen: "_Generation", remaining: int,
                      m: int) -> tuple[list[int], replica_pb2.DraftDistributions | None, int]:
         """This round's proposal → (draft tokens, their distributions or None, γ); γ = 0
         (target-only) when the policy says so or no draft replica can serve."""
-        want = gen.policy.choose(self.costs) if gen.handle.draft_replica and gen.speculating else 0
+        ready = gen.handle.draft_replica and gen.speculating and self._draft_ready(gen)
+        want = gen.policy.choose(self.costs) if ready else 0
         gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
+        gen.runner_ups, gen.line = None, None
         if gamma == 0:
             return [], None, 0
-        prop = await self._propose(gen, gamma)
-        gen.runner_ups, gen.line = None, None
-        if prop is None:
+        got = await self._in_time(gen, asyncio.ensure_future(self._propose(gen, gamma)))
+        if got is None:
             return [], None, 0
+        prop = got.response
+        gen.stats.draft_ms += got.ms
+        gen.calls.append(_Call("draft", got.ms, None, prop, len(got.ref.tokens) <= 2, gamma))
         gen.runner_ups = list(prop.runner_ups) or None
         dists = prop.distributions if prop.HasField("distributions") else None
         return list(prop.draft_tokens), dists, len(prop.draft_tokens)  # the confidence stop may have cut it
@@ -543,7 +628,7 @@ class Generator:
         shared cores."""
         policy = gen.policy
         if not (self.overlap and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
-                and gen.speculating):
+                and gen.speculating and self._draft_ready(gen)):
             return None
         main = policy.predraft_hit(gamma) >= self.overlap_min_hit
         if main and not self.costs.predraft_pays(policy.greedy, self.overlap_min_use):
@@ -668,11 +753,18 @@ class Generator:
             stats.first_token_ms = (time.perf_counter() - stats.started) * 1000
 
     async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str,
-                     pending: asyncio.Future | None = None, links: SessionLinks | None = None) -> None:
+                     pending: asyncio.Future | None = None, links: SessionLinks | None = None,
+                     late: asyncio.Task | None = None) -> None:
         """Ephemeral sessions are released on both replicas and their handle deleted;
         kept sessions are unlocked for the next call. A round's commit still in flight
         (the loop ended by an error or a cancellation) lands first, so that it cannot
-        recreate a handle deleted here."""
+        recreate a handle deleted here. A draft call still late is left to end on its own
+        (it keeps its replica marked stalled for the other sessions, `_note_stall`), and a
+        stalled replica is released in the background: the answer does not wait on a
+        replica that has stopped answering."""
+        draft_late = late is not None and not late.done() or handle.draft_replica in self._stalled
+        if late is not None:
+            self._in_background(late)
         if pending is not None:
             await asyncio.wait([pending])
             if not pending.cancelled():
@@ -683,9 +775,9 @@ class Generator:
         if keep:
             await self.store.unlock(handle.session_id, owner)
             return
-        await self.release(handle)
+        await self.release(handle, draft_in_background=draft_late)
 
-    async def release(self, handle: SessionHandle) -> None:
+    async def release(self, handle: SessionHandle, draft_in_background: bool = False) -> None:
         async def release_on(kind: str, address: str) -> None:
             if not address:
                 return
@@ -695,8 +787,26 @@ class Generator:
             except grpc.aio.AioRpcError:
                 pass  # the replica is gone or will evict the idle cache itself
 
-        await asyncio.gather(release_on("draft", handle.draft_replica), release_on("target", handle.target_replica))
+        async def release_draft() -> None:  # waited for `draft_wait` at most, as its calls are
+            draft = asyncio.ensure_future(release_on("draft", handle.draft_replica))
+            if not draft_in_background:
+                await asyncio.wait((draft,), timeout=self.draft_wait)
+            if not draft.done():
+                self._in_background(draft)
+
+        await asyncio.gather(release_draft(), release_on("target", handle.target_replica))
         try:
             await self.store.delete(handle.session_id)
         except Unavailable:
             pass  # the handle expires by TTL
+
+    def _in_background(self, task: asyncio.Future) -> None:
+        """Hold a task that outlives its generation until it ends, and take its outcome
+        (its failure was handled where it arose)."""
+        def ended(done: asyncio.Future) -> None:
+            self._background.discard(done)
+            if not done.cancelled():
+                done.exception()
+
+        self._background.add(task)
+        task.add_done_callback(ended)

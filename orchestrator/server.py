@@ -5,13 +5,14 @@ import argparse
 import asyncio
 import hmac
 import logging
+import math
 import time
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import OVERLAP_FORKS, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
+from orchestrator.generation import DRAFT_WAIT_S, OVERLAP_FORKS, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
 from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
@@ -272,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the governor speculates only where that beats target-only decoding by more than this "
                          f"share (default {GOVERNOR_MARGIN}): within it the two trade places on noise and each switch "
                          f"costs the draft a catch-up [SPECDEC_LOAD_GOVERNOR_MARGIN]")
+    ap.add_argument("--draft-wait-ms", type=float, default=float(env("DRAFT_WAIT_MS", DRAFT_WAIT_S * 1000)),
+                    help="a draft call not answered within this is left to finish on its own and the round "
+                         "verifies target-only; the session calls its draft again once that call has ended. "
+                         "A stalled draft replica then costs a generation this wait, not the stall; 0 = wait "
+                         "for the call's whole timeout. Seeded sampled requests always wait (they must "
+                         "reproduce) [SPECDEC_DRAFT_WAIT_MS]")
     ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "frames"),
                     help="how generations call the pools: frames (default: one stream per replica shared by "
                          "every generation, the calls of one moment in one message, over the replica's frame link, "
@@ -311,7 +318,8 @@ async def serve(args: argparse.Namespace) -> None:
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
-                          stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor)
+                          stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
+                          draft_wait=args.draft_wait_ms / 1000 or None)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
     port = shell.listen(args.host, args.port, creds)
@@ -337,6 +345,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
     if not 0 <= args.overlap_forks <= 16:
         ap.error(f"--overlap-forks must lie in 0..16, got {args.overlap_forks}")
+    if not 0 <= args.draft_wait_ms < math.inf:
+        ap.error(f"--draft-wait-ms must be a finite number of milliseconds, 0 or more, got {args.draft_wait_ms}")
     if not 0 <= args.overlap_min_use <= 1:
         ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
     with refusing_to_start("orchestrator"):

@@ -61,6 +61,9 @@ ACTIVE_SESSIONS = Gauge("specdec_active_generations", "Generations in flight")
 OVERLAP = Counter("specdec_overlap_total", "Pre-drafted rounds: attempts and hits; forks started and used", ["outcome"])
 DRAFT_STOPS = Counter("specdec_draft_stops_total",
                       "Proposals the draft ended before the γ asked, at a token it was unsure of (stop_below)")
+DRAFT_LATE = Counter("specdec_draft_late_total",
+                     "Draft calls not answered within --draft-wait-ms: the round went on target-only, and the "
+                     "session made no draft call until that one ended")
 INTERNAL_STREAMS = Counter("specdec_internal_streams_opened_total",
                            "Streams opened to the pools (round streams: one per generation and replica; "
                            "multiplexed: one per replica; more after errors)", ["pool"])

@@ -9,6 +9,8 @@ from orchestrator.server import main
     (["--overlap-min-use", "-0.1"], "--overlap-min-use must lie in [0, 1]"),
     (["--stop-below-greedy", "1"], "--stop-below-greedy must lie in [0, 1), got 1.0"),
     (["--stop-below-sampled", "-1"], "--stop-below-sampled must lie in [0, 1)"),
+    (["--draft-wait-ms", "-5"], "--draft-wait-ms must be a finite number of milliseconds, 0 or more, got -5.0"),
+    (["--draft-wait-ms", "nan"], "--draft-wait-ms must be a finite number of milliseconds"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
     with pytest.raises(SystemExit) as exit_:

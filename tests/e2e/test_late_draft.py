@@ -1,0 +1,130 @@
+"""A draft replica that stops answering (a pause, a hang, a queue far too long) costs a
+generation one short wait (`--draft-wait-ms`, 250 ms by default), not the stall: its rounds
+go on target-only, exact as ever, the other generations skip that replica until it answers,
+and speculation comes back once it does. A seeded sampled request waits the stall out
+instead, because its tokens depend on where its rounds end and it must reproduce.
+
+The draft replica is paused with SIGSTOP (its process stays, its sockets stay open, it just
+does not answer) and resumed with SIGCONT; a timer resumes it in any case.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from localstack.stack import free_port, scrape_metrics
+from tests.e2e.helpers import Streams, api, live_replicas, request
+from tests.stacks import started_stack, stopped
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["def parse(line):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef walk(root):\n"]
+NEW_TOKENS = 48
+LONG = 384  # a stream still under way when its draft replica is paused after the first chunk
+PAUSE_S = 60.0  # the pause, unless a test ends it sooner: far beyond what a generation may take here
+# what a generation may take while its draft replica is paused: its wait for the draft,
+# then target-only rounds (well under a second here), with room for a slow CI machine
+BOUND_S = 12.0
+
+
+@pytest.fixture(scope="module")
+def stack(bundled_paths):
+    stack = started_stack(drafts=1, targets=1, orchestrators=0)
+    stack.metrics_port = free_port()
+    stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_port)])
+    yield stack
+    stopped(stack)
+
+
+@contextmanager
+def paused(replica, resume_after: float = PAUSE_S):
+    pid = replica.proc.pid
+    resume = threading.Timer(resume_after, os.kill, (pid, signal.SIGCONT))
+    os.kill(pid, signal.SIGSTOP)
+    resume.start()
+    try:
+        yield
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+
+
+def late_calls(stack) -> float:
+    return scrape_metrics(stack.metrics_port).get("specdec_draft_late_total", 0.0)
+
+
+def speculating_again(stub, prompt: str, timeout: float = 20.0):
+    """The first greedy generation that drafted again once the replica answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = stub.Generate(request(prompt, NEW_TOKENS, 0.0), timeout=60)
+        if r.stats.drafted_tokens > 0 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.2)
+
+
+def test_a_paused_draft_costs_a_generation_the_wait_not_the_pause(stack):
+    stub = api(stack.orchestrators[0].address)
+    [draft] = live_replicas(stack, "draft")
+    expected = {p: list(stub.Generate(request(p, NEW_TOKENS, 0.0, gamma=0), timeout=60).token_ids) for p in PROMPTS}
+    assert stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=60).stats.drafted_tokens > 0
+    before = late_calls(stack)
+    with paused(draft):
+        t0 = time.monotonic()
+        for prompt in PROMPTS[:2]:
+            r = stub.Generate(request(prompt, NEW_TOKENS, 0.0), timeout=60)
+            assert list(r.token_ids) == expected[prompt], "target-only rounds changed the greedy output"
+            assert r.stats.draft_replica == draft.address  # the replica was picked, not missing from the pool
+            assert r.stats.drafted_tokens == 0
+        took = time.monotonic() - t0
+        late = late_calls(stack) - before
+    assert took < BOUND_S, f"two generations took {took:.1f}s beside a paused draft replica"
+    # the second generation skipped the replica that still owed the first its call
+    assert late == 1
+    r = speculating_again(stub, PROMPTS[2])
+    assert r.stats.drafted_tokens > 0, "speculation did not come back once the draft replica answered"
+    assert list(r.token_ids) == expected[PROMPTS[2]]
+
+
+def test_a_draft_paused_mid_stream_leaves_the_stream_on_target_only(stack):
+    stub = api(stack.orchestrators[0].address)
+    [draft] = live_replicas(stack, "draft")
+    want = list(stub.Generate(request(PROMPTS[1], LONG, 0.0, gamma=0), timeout=60).token_ids)
+    before = late_calls(stack)
+    streams = Streams(stub, [request(PROMPTS[1], LONG, 0.0, gamma=4)])  # a fixed γ calls the draft every round
+    streams.wait_first_chunks()
+    with paused(draft):
+        t0 = time.monotonic()
+        [result] = streams.join(timeout=BOUND_S)
+        took = time.monotonic() - t0
+    assert not isinstance(result, grpc.RpcError), f"the stream failed: {result.code()} {result.details()}"
+    tokens, last = result
+    assert tokens == want
+    assert late_calls(stack) - before == 1, "the stream was not left waiting on its paused draft"
+    assert last.stats.drafted_tokens > 0 and last.stats.replica_failovers == 0
+    assert took < BOUND_S
+    assert speculating_again(stub, PROMPTS[0]).stats.drafted_tokens > 0
+
+
+def test_a_seeded_sampled_request_waits_for_its_draft_and_reproduces(stack):
+    """Even while another generation has found the replica stalled."""
+    stub = api(stack.orchestrators[0].address)
+    [draft] = live_replicas(stack, "draft")
+    seeded = request(PROMPTS[2], NEW_TOKENS, 1.0, seed=1234)
+    want = stub.Generate(seeded, timeout=60)
+    assert want.stats.drafted_tokens > 0
+    resume_after = 2.0
+    with paused(draft, resume_after=resume_after):
+        t0 = time.monotonic()
+        stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=60)  # finds the replica late
+        got = stub.Generate(seeded, timeout=60)
+        took = time.monotonic() - t0
+    assert took >= resume_after - 0.1, "the seeded request did not wait for its draft"
+    assert list(got.token_ids) == list(want.token_ids)
+    assert got.stats.drafted_tokens == want.stats.drafted_tokens and got.stats.rounds == want.stats.rounds
