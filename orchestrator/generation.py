@@ -769,8 +769,11 @@ class Generator:
             await asyncio.wait([pending])
             if not pending.cancelled():
                 pending.exception()  # already raised by the loop, or superseded by its error
-        if links is not None:
-            await links.close()
+        if links is not None:  # a generation's own streams ("stream" mode) close after their calls
+            if draft_late:
+                self._in_background(asyncio.ensure_future(links.close()))
+            else:
+                await links.close()
         keep = req.keep_session or bool(req.session_id)
         if keep:
             await self.store.unlock(handle.session_id, owner)

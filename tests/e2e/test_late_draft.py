@@ -33,13 +33,25 @@ PAUSE_S = 60.0  # the pause, unless a test ends it sooner: far beyond what a gen
 BOUND_S = 12.0
 
 
+CALL_MODES = ("frames", "stream")  # the default, and a generation's own stream to each replica
+
+
 @pytest.fixture(scope="module")
 def stack(bundled_paths):
+    """One draft, one target, and an orchestrator per call mode, each with its metrics."""
     stack = started_stack(drafts=1, targets=1, orchestrators=0)
-    stack.metrics_port = free_port()
-    stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_port)])
+    stack.metrics_ports = {}
+    for mode in CALL_MODES:
+        stack.metrics_ports[mode] = free_port()
+        stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_ports[mode]), "--internal-calls", mode])
     yield stack
     stopped(stack)
+
+
+def orchestrator(stack, mode: str = "frames"):
+    """→ (the API of the orchestrator calling the pools in `mode`, its late draft calls so far)."""
+    address = stack.orchestrators[CALL_MODES.index(mode)].address
+    return api(address), lambda: scrape_metrics(stack.metrics_ports[mode]).get("specdec_draft_late_total", 0.0)
 
 
 @contextmanager
@@ -55,10 +67,6 @@ def paused(replica, resume_after: float = PAUSE_S):
         os.kill(pid, signal.SIGCONT)
 
 
-def late_calls(stack) -> float:
-    return scrape_metrics(stack.metrics_port).get("specdec_draft_late_total", 0.0)
-
-
 def speculating_again(stub, prompt: str, timeout: float = 20.0):
     """The first greedy generation that drafted again once the replica answers."""
     deadline = time.monotonic() + timeout
@@ -69,12 +77,13 @@ def speculating_again(stub, prompt: str, timeout: float = 20.0):
         time.sleep(0.2)
 
 
-def test_a_paused_draft_costs_a_generation_the_wait_not_the_pause(stack):
-    stub = api(stack.orchestrators[0].address)
+@pytest.mark.parametrize("mode", CALL_MODES)
+def test_a_paused_draft_costs_a_generation_the_wait_not_the_pause(stack, mode):
+    stub, late_calls = orchestrator(stack, mode)
     [draft] = live_replicas(stack, "draft")
     expected = {p: list(stub.Generate(request(p, NEW_TOKENS, 0.0, gamma=0), timeout=60).token_ids) for p in PROMPTS}
     assert stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=60).stats.drafted_tokens > 0
-    before = late_calls(stack)
+    before = late_calls()
     with paused(draft):
         t0 = time.monotonic()
         for prompt in PROMPTS[:2]:
@@ -83,7 +92,7 @@ def test_a_paused_draft_costs_a_generation_the_wait_not_the_pause(stack):
             assert r.stats.draft_replica == draft.address  # the replica was picked, not missing from the pool
             assert r.stats.drafted_tokens == 0
         took = time.monotonic() - t0
-        late = late_calls(stack) - before
+        late = late_calls() - before
     assert took < BOUND_S, f"two generations took {took:.1f}s beside a paused draft replica"
     # the second generation skipped the replica that still owed the first its call
     assert late == 1
@@ -93,10 +102,10 @@ def test_a_paused_draft_costs_a_generation_the_wait_not_the_pause(stack):
 
 
 def test_a_draft_paused_mid_stream_leaves_the_stream_on_target_only(stack):
-    stub = api(stack.orchestrators[0].address)
+    stub, late_calls = orchestrator(stack)
     [draft] = live_replicas(stack, "draft")
     want = list(stub.Generate(request(PROMPTS[1], LONG, 0.0, gamma=0), timeout=60).token_ids)
-    before = late_calls(stack)
+    before = late_calls()
     streams = Streams(stub, [request(PROMPTS[1], LONG, 0.0, gamma=4)])  # a fixed γ calls the draft every round
     streams.wait_first_chunks()
     with paused(draft):
@@ -106,7 +115,7 @@ def test_a_draft_paused_mid_stream_leaves_the_stream_on_target_only(stack):
     assert not isinstance(result, grpc.RpcError), f"the stream failed: {result.code()} {result.details()}"
     tokens, last = result
     assert tokens == want
-    assert late_calls(stack) - before == 1, "the stream was not left waiting on its paused draft"
+    assert late_calls() - before == 1, "the stream was not left waiting on its paused draft"
     assert last.stats.drafted_tokens > 0 and last.stats.replica_failovers == 0
     assert took < BOUND_S
     assert speculating_again(stub, PROMPTS[0]).stats.drafted_tokens > 0
@@ -114,7 +123,7 @@ def test_a_draft_paused_mid_stream_leaves_the_stream_on_target_only(stack):
 
 def test_a_seeded_sampled_request_waits_for_its_draft_and_reproduces(stack):
     """Even while another generation has found the replica stalled."""
-    stub = api(stack.orchestrators[0].address)
+    stub, _ = orchestrator(stack)
     [draft] = live_replicas(stack, "draft")
     seeded = request(PROMPTS[2], NEW_TOKENS, 1.0, seed=1234)
     want = stub.Generate(seeded, timeout=60)
