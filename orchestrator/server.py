@@ -273,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the governor speculates only where that beats target-only decoding by more than this "
                          f"share (default {GOVERNOR_MARGIN}): within it the two trade places on noise and each switch "
                          f"costs the draft a catch-up [SPECDEC_LOAD_GOVERNOR_MARGIN]")
+    ap.add_argument("--call-timeout", type=float, default=float(env("CALL_TIMEOUT", 30.0)),
+                    help="seconds an internal call may take: one not answered by then counts as its replica "
+                         "failing, which is avoided for a while, and the session moves to another replica of "
+                         "the pool (its cache rebuilt there) or, for a draft, goes on target-only. A replica "
+                         "that hangs without failing (a partition, a stuck device) costs its sessions this "
+                         "long; the target's calls under load must fit in it [SPECDEC_CALL_TIMEOUT]")
     ap.add_argument("--draft-wait-ms", type=float, default=float(env("DRAFT_WAIT_MS", DRAFT_WAIT_S * 1000)),
                     help="a draft call not answered within this is left to finish on its own and the round "
                          "verifies target-only; the session calls its draft again once that call has ended. "
@@ -319,7 +325,7 @@ async def serve(args: argparse.Namespace) -> None:
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
-                          draft_wait=args.draft_wait_ms / 1000 or None)
+                          call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
     port = shell.listen(args.host, args.port, creds)
@@ -345,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
     if not 0 <= args.overlap_forks <= 16:
         ap.error(f"--overlap-forks must lie in 0..16, got {args.overlap_forks}")
+    if not 0 < args.call_timeout < math.inf:
+        ap.error(f"--call-timeout must be a finite number of seconds above 0, got {args.call_timeout}")
     if not 0 <= args.draft_wait_ms < math.inf:
         ap.error(f"--draft-wait-ms must be a finite number of milliseconds, 0 or more, got {args.draft_wait_ms}")
     if not 0 <= args.overlap_min_use <= 1:

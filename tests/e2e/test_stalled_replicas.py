@@ -1,11 +1,14 @@
-"""A draft replica that stops answering (a pause, a hang, a queue far too long) costs a
-generation one short wait (`--draft-wait-ms`, 250 ms by default), not the stall: its rounds
-go on target-only, exact as ever, the other generations skip that replica until it answers,
-and speculation comes back once it does. A seeded sampled request waits the stall out
-instead, because its tokens depend on where its rounds end and it must reproduce.
+"""Replicas that stop answering without failing (a pause, a hang, a queue far too long).
 
-The draft replica is paused with SIGSTOP (its process stays, its sockets stay open, it just
-does not answer) and resumed with SIGCONT; a timer resumes it in any case.
+A draft replica costs a generation one short wait (`--draft-wait-ms`, 250 ms by default),
+not the stall: its rounds go on target-only, exact as ever, the other generations skip that
+replica until it answers, and speculation comes back once it does. A seeded sampled request
+waits the stall out instead, because its tokens depend on where its rounds end and it must
+reproduce. A target replica holds its sessions for `--call-timeout`, then they move to
+another target.
+
+A replica is paused with SIGSTOP (its process stays, its sockets stay open, it just does
+not answer) and resumed with SIGCONT; a timer resumes it in any case.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import grpc
 import pytest
 
 from localstack.stack import free_port, scrape_metrics
-from tests.e2e.helpers import Streams, api, live_replicas, request
+from tests.e2e.helpers import Streams, api, live_replicas, request, session_handles
 from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
@@ -34,24 +37,28 @@ BOUND_S = 12.0
 
 
 CALL_MODES = ("frames", "stream")  # the default, and a generation's own stream to each replica
+CALL_TIMEOUT_S = 2.0
+ORCHESTRATORS = {  # name → flags
+    "frames": [], "stream": ["--internal-calls", "stream"], "short": ["--call-timeout", str(CALL_TIMEOUT_S)]}
 
 
 @pytest.fixture(scope="module")
 def stack(bundled_paths):
-    """One draft, one target, and an orchestrator per call mode, each with its metrics."""
-    stack = started_stack(drafts=1, targets=1, orchestrators=0)
+    """One draft, two targets, and an orchestrator for each of `ORCHESTRATORS`, each with
+    its metrics."""
+    stack = started_stack(drafts=1, targets=2, orchestrators=0)
     stack.metrics_ports = {}
-    for mode in CALL_MODES:
-        stack.metrics_ports[mode] = free_port()
-        stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_ports[mode]), "--internal-calls", mode])
+    for name, flags in ORCHESTRATORS.items():
+        stack.metrics_ports[name] = free_port()
+        stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_ports[name]), *flags])
     yield stack
     stopped(stack)
 
 
-def orchestrator(stack, mode: str = "frames"):
-    """→ (the API of the orchestrator calling the pools in `mode`, its late draft calls so far)."""
-    address = stack.orchestrators[CALL_MODES.index(mode)].address
-    return api(address), lambda: scrape_metrics(stack.metrics_ports[mode]).get("specdec_draft_late_total", 0.0)
+def orchestrator(stack, name: str = "frames"):
+    """→ (the API of orchestrator `name`, a function reading its late draft calls so far)."""
+    address = stack.orchestrators[list(ORCHESTRATORS).index(name)].address
+    return api(address), lambda: scrape_metrics(stack.metrics_ports[name]).get("specdec_draft_late_total", 0.0)
 
 
 @contextmanager
@@ -137,3 +144,24 @@ def test_a_seeded_sampled_request_waits_for_its_draft_and_reproduces(stack):
     assert took >= resume_after - 0.1, "the seeded request did not wait for its draft"
     assert list(got.token_ids) == list(want.token_ids)
     assert got.stats.drafted_tokens == want.stats.drafted_tokens and got.stats.rounds == want.stats.rounds
+
+
+def test_a_paused_target_is_left_after_the_call_timeout(stack):
+    """A target replica that hangs without failing holds its sessions for `--call-timeout`,
+    then counts as down: they move to the other target, their caches rebuilt there, and the
+    stream goes on with the same tokens."""
+    stub, _ = orchestrator(stack, "short")
+    want = list(stub.Generate(request(PROMPTS[0], LONG, 0.0, gamma=0), timeout=60).token_ids)
+    streams = Streams(stub, [request(PROMPTS[0], LONG, 0.0)])
+    streams.wait_first_chunks()
+    [held] = {handle["target"] for handle in session_handles(stack).values()}
+    [target] = [r for r in live_replicas(stack, "target") if r.address == held]
+    with paused(target):
+        t0 = time.monotonic()
+        [result] = streams.join(timeout=BOUND_S + CALL_TIMEOUT_S)
+        took = time.monotonic() - t0
+    assert not isinstance(result, grpc.RpcError), f"the stream failed: {result.code()} {result.details()}"
+    tokens, last = result
+    assert tokens == want
+    assert last.stats.replica_failovers >= 1 and last.stats.target_replica not in ("", held)
+    assert CALL_TIMEOUT_S - 0.5 < took < BOUND_S + CALL_TIMEOUT_S
