@@ -306,7 +306,7 @@ def max_context(args) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     with refusing_to_start("orchestrator"):
         tokenizer = load_tokenizer(args.tokenizer)
         context = max_context(args)

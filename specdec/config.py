@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+from datetime import datetime, timezone
 from contextlib import contextmanager
 from pathlib import Path
 
 from specdec.event_loop import CHOICES as EVENT_LOOPS
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def env(name: str, default=None):
@@ -67,7 +72,11 @@ def add_common_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--tls-ca-file", default=env("TLS_CA_FILE"),
                     help="CA (PEM): servers require client certificates signed by it (mutual TLS); "
                          "clients verify servers with it [SPECDEC_TLS_CA_FILE]")
-    ap.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="[SPECDEC_LOG_LEVEL]")
+    ap.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=env("LOG_LEVEL", "INFO").upper(),
+                    help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL, any case [SPECDEC_LOG_LEVEL]")
+    ap.add_argument("--log-format", choices=("text", "json"), default=env("LOG_FORMAT", "text"),
+                    help="text (default) or json: one JSON object a line (time, level, logger, message, and "
+                         "the traceback where there is one), for a log collector [SPECDEC_LOG_FORMAT]")
     ap.add_argument("--event-loop", choices=EVENT_LOOPS, default=env("EVENT_LOOP", "auto"),
                     help="auto (uvloop where installed, else asyncio's), uvloop or asyncio: the internal calls' "
                          "sockets are served by it (specdec/event_loop.py) [SPECDEC_EVENT_LOOP]")
@@ -109,8 +118,25 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
     ap.add_argument("--threads", type=int, default=int(env("THREADS", 0)), help="torch CPU threads, 0 = torch default [SPECDEC_THREADS]")
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record, so that a log collector (Loki, Elasticsearch, Cloud
+    Logging) takes the level and the logger as fields instead of parsing text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def redis_client(url: str, password_file: str | None):

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def build_runner(args: argparse.Namespace, prog: str = "replica") -> ModelRunner:
-    setup_logging(args.log_level)  # before the model loads, so that its line (device, dtype) is logged
+    setup_logging(args.log_level, args.log_format)  # before the model loads, so that its line (device, dtype) is logged
     if args.threads:
         torch.set_num_threads(args.threads)
     with refusing_to_start(prog):

@@ -4,6 +4,8 @@ Pure and fast: kubectl's built-in kustomize renders each overlay once; no cluste
 """
 from __future__ import annotations
 
+import importlib
+import os
 import re
 
 import kubernetes.client
@@ -14,6 +16,7 @@ from deploy import OVERLAYS
 from deploy.cluster import referenced_secrets
 from deploy.render import find_kubectl, kustomize_version, render_objects
 from deploy.validate import CUSTOM_KINDS, check_custom, check_schema, check_typed, promql_error, to_typed
+from specdec.config import parse_args
 
 POOLS = {"draft": 50061, "target": 50071}
 FRAME_PORTS = {"draft": 50062, "target": 50072}  # the pools' frame link (specdec/frames.py)
@@ -25,7 +28,7 @@ KNOWN_SPECDEC_ENV = {
         "MODEL", "TOKENIZER", "HOST", "PORT", "ADVERTISE_ADDRESS", "POOL", "REDIS_URL",
         "REDIS_PASSWORD_FILE", "DEVICE", "DTYPE", "METRICS_PORT", "MAX_SESSIONS", "DRAIN_SECONDS",
         "THREADS", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "API_TOKEN_FILE",
-        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL", "QUANTIZE", "FRAME_PORT",
+        "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL", "LOG_FORMAT", "QUANTIZE", "FRAME_PORT",
         "MODELS",  # the model download Job's own list
     )
 }
@@ -441,6 +444,28 @@ def test_only_known_settings_are_set(rendered, overlay):
         for c in all_containers(workload["spec"]["template"]["spec"]):
             names = {k for k in container_env(rendered[overlay], c) if k.startswith("SPECDEC_")}
             assert names <= KNOWN_SPECDEC_ENV, names - KNOWN_SPECDEC_ENV
+
+
+SERVER_MODULES = {"draft": "draft_service.server", "target": "target_service.server",
+                  "orchestrator": "orchestrator.server"}
+
+
+@pytest.mark.parametrize("component", SERVER_MODULES)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_server_takes_the_settings_its_container_gets(rendered, overlay, component, monkeypatch):
+    """Every SPECDEC_ variable of a server's container names one of that server's own flags,
+    and its value parses there (a choice among the choices, a number where a number goes):
+    a manifest that the server would refuse at start fails here instead."""
+    objs = rendered[overlay]
+    settings = {k: v for k, v in container_env(objs, main_container(objs, component)).items() if k.startswith("SPECDEC_")}
+    for name in [k for k in os.environ if k.startswith("SPECDEC_")]:
+        monkeypatch.delenv(name)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    parser = importlib.import_module(SERVER_MODULES[component]).build_parser()  # defaults read the variables
+    flags = {"SPECDEC_" + action.dest.upper() for action in parser._actions}
+    assert set(settings) <= flags, f"{component} has no flag for {sorted(set(settings) - flags)}"
+    parse_args(parser, [])  # a usage error exits
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

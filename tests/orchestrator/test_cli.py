@@ -11,6 +11,8 @@ from orchestrator.server import main
     (["--stop-below-sampled", "-1"], "--stop-below-sampled must lie in [0, 1)"),
     (["--draft-wait-ms", "-5"], "--draft-wait-ms must be a finite number of milliseconds, 0 or more, got -5.0"),
     (["--draft-wait-ms", "nan"], "--draft-wait-ms must be a finite number of milliseconds"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+    (["--log-format", "xml"], "argument --log-format: invalid choice: 'xml'"),
     (["--call-timeout", "0"], "--call-timeout must be a finite number of seconds above 0, got 0.0"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):

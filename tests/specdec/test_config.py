@@ -1,0 +1,49 @@
+"""The servers' shared flags: log level and format."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+
+from specdec.config import JsonLogFormatter
+
+
+def _record(msg: str, *args, exc_info=None) -> logging.LogRecord:
+    return logging.LogRecord("orchestrator.generation", logging.WARNING, __file__, 1, msg, args, exc_info)
+
+
+def test_a_json_log_line_carries_level_logger_message_and_traceback():
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        line = JsonLogFormatter().format(_record("replica %s failed: %d", "10.0.0.5:50061", 3, exc_info=sys.exc_info()))
+    entry = json.loads(line)
+    assert "\n" not in line  # one record, one line
+    assert entry["level"] == "WARNING" and entry["logger"] == "orchestrator.generation"
+    assert entry["message"] == "replica 10.0.0.5:50061 failed: 3"
+    assert entry["time"].endswith("+00:00")
+    assert "RuntimeError: boom" in entry["traceback"]
+
+
+def test_a_server_logs_json_lines_when_asked():
+    """A real orchestrator (it starts without Redis or replicas), stopped once serving:
+    every line it wrote is one JSON record."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-format", "json", "--port", "0",
+                             "--host", "127.0.0.1", "--redis-url", "redis://127.0.0.1:1/0", "--drain-seconds", "0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving on" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.stderr.readlines()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    entries = [json.loads(line) for line in lines]  # fails on any line that is not JSON
+    assert any(e["logger"] == "orchestrator.server" and "serving on 127.0.0.1" in e["message"] for e in entries)
+    assert all(e["level"] in ("INFO", "WARNING") for e in entries)
