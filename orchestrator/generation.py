@@ -546,7 +546,7 @@ class Generator:
         A seeded sampled session waits the call out instead: its tokens depend on where
         its rounds end, and it must reproduce (a replica that fails is replaced anyway)."""
         if not task.done():
-            wait = None if gen.policy.deterministic else self.draft_wait
+            wait = self._wait_for(gen)
             try:
                 await asyncio.wait((task,), timeout=wait)
             except asyncio.CancelledError:
@@ -560,6 +560,10 @@ class Generator:
                          "until it does", gen.handle.draft_replica, gen.handle.session_id, wait * 1000)
                 return None
         return task.result()
+
+    def _wait_for(self, gen: "_Generation") -> float | None:
+        """Seconds this session waits for a draft call (None: until it ends)."""
+        return None if gen.policy.deterministic else self.draft_wait
 
     def _note_stall(self, address: str, task: asyncio.Future) -> None:
         """A replica owes a late call until that call ends: the other sessions on it skip
@@ -609,7 +613,10 @@ class Generator:
         gen.runner_ups, gen.line = None, None
         if gamma == 0:
             return [], None, 0
-        got = await self._in_time(gen, asyncio.ensure_future(self._propose(gen, gamma)))
+        if self._wait_for(gen) is None:  # no task needed to wait the call out
+            got = await self._propose(gen, gamma)
+        else:
+            got = await self._in_time(gen, asyncio.ensure_future(self._propose(gen, gamma)))
         if got is None:
             return [], None, 0
         prop = got.response
