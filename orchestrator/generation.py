@@ -62,6 +62,11 @@ CALL_TURNS = 2
 # (`Generator._in_time`): a replica that stalls (a pause, a hang, a queue far too long)
 # costs its sessions this wait once instead of the whole stall
 DRAFT_WAIT_S = 0.25
+# a feed longer than this many tokens (a prompt's prefill, a cache rebuilt elsewhere) goes to
+# a replica as calls of this many tokens (`Generator._feed_in_chunks`): one batched forward
+# over a whole long prompt holds every other session in it for as long (about 1 s for
+# 2,000 tokens on the bundled target here), a chunk only for its share
+PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -196,7 +201,8 @@ class Generator:
                  overlap_min_hit: float = OVERLAP_MIN_HIT, overlap_min_use: float = OVERLAP_MIN_USE,
                  calls: str = "mux", overlap_forks: int = OVERLAP_FORKS,
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
-                 governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S) -> None:
+                 governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -213,6 +219,7 @@ class Generator:
         self.governor = governor or LoadGovernor()  # speculation on or off under load, by measurement
         self.active = 0  # generations in flight in this process: the governor's load
         self.draft_wait = draft_wait  # seconds a draft call is waited for (None: its whole timeout)
+        self.prefill_chunk = prefill_chunk  # tokens a call feeds at most before the round's own (0: no limit)
         self._background: set[asyncio.Future] = set()  # late draft calls and releases that outlive their generation
         self._stalled: dict[str, int] = {}  # draft replica → its calls late now (`_in_time`)
 
@@ -257,12 +264,13 @@ class Generator:
                 handle.cursor.draft_len = 0
                 if not handle.draft_replica:
                     return None
-            ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
-            request = replica_pb2.ProposeRequest(
-                cache=ref_pb(ref), num_tokens=gamma, sampling=gen.params_pb, stop_below=gen.stop_below,
-                runner_ups=self._forks_wanted(gen))
-            t0 = time.perf_counter()
             try:
+                await self._feed_in_chunks(gen, "draft")
+                ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
+                request = replica_pb2.ProposeRequest(
+                    cache=ref_pb(ref), num_tokens=gamma, sampling=gen.params_pb, stop_below=gen.stop_below,
+                    runner_ups=self._forks_wanted(gen))
+                t0 = time.perf_counter()
                 resp = await gen.links.propose(handle.draft_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
                 self._on_error(exc, handle, "draft", deadline, gen.stats)
@@ -277,11 +285,12 @@ class Generator:
             if not handle.target_replica:
                 handle.target_replica = await self.pools.require("target")
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
-            ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
-            request = replica_pb2.VerifyRequest(
-                cache=ref_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb)
-            t0 = time.perf_counter()
             try:
+                await self._feed_in_chunks(gen, "target")
+                ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
+                request = replica_pb2.VerifyRequest(
+                    cache=ref_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb)
+                t0 = time.perf_counter()
                 resp = await gen.links.verify(handle.target_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
                 self._on_error(exc, handle, "target", deadline, stats)
@@ -292,6 +301,33 @@ class Generator:
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
                           f"after {MAX_ATTEMPTS} attempts")
+
+    async def _feed_in_chunks(self, gen: "_Generation", kind: str) -> None:
+        """Feed a replica all but the last `prefill_chunk` tokens its cache lacks, a call of
+        `prefill_chunk` tokens at a time, so that each of its batched forwards holds the
+        other sessions in it for a chunk's share of a long prompt only. A chunk is a
+        proposal of one token (the draft's cache runs ahead of the cursor, as after any
+        proposal) or a verification without a draft (its next token is not used: the
+        uniforms are counter-based, so a seeded request draws the same later on). Failures
+        raise, as the round's own call would."""
+        chunk, handle = self.prefill_chunk, gen.handle
+        while chunk:  # handle.cursor is read afresh: a round may replace it meanwhile (a late draft's feed)
+            start = handle.cursor.draft_len if kind == "draft" else handle.cursor.target_len
+            if len(handle.committed) - start <= chunk:
+                return
+            feed = handle.committed[start : start + chunk]
+            if kind == "draft":
+                ref = CacheRef(handle.session_id, handle.epoch, start, feed)
+                request = replica_pb2.ProposeRequest(cache=ref_pb(ref), num_tokens=1, sampling=gen.params_pb)
+                await gen.links.propose(handle.draft_replica, request, self._timeout(gen.deadline))
+                handle.cursor.draft_len = max(handle.cursor.draft_len, start + chunk)
+            else:
+                ref = CacheRef(handle.session_id, handle.epoch, start, feed, handle.cursor.target_resync)
+                request = replica_pb2.VerifyRequest(cache=ref_pb(ref), sampling=gen.params_pb)
+                t0 = time.perf_counter()
+                await gen.links.verify(handle.target_replica, request, self._timeout(gen.deadline))
+                gen.stats.verify_ms += (time.perf_counter() - t0) * 1000
+                handle.cursor.target_len, handle.cursor.target_resync = start + chunk, False
 
     def _on_error(self, exc: grpc.aio.AioRpcError, handle: SessionHandle, kind: str, deadline,
                   stats: Stats) -> None:

@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import DRAFT_WAIT_S, OVERLAP_FORKS, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
+from orchestrator.generation import DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
 from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
@@ -290,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the pool (its cache rebuilt there) or, for a draft, goes on target-only. A replica "
                          "that hangs without failing (a partition, a stuck device) costs its sessions this "
                          "long; the target's calls under load must fit in it [SPECDEC_CALL_TIMEOUT]")
+    ap.add_argument("--prefill-chunk", type=int, default=int(env("PREFILL_CHUNK", PREFILL_CHUNK)),
+                    help=f"a replica is fed a long prompt (or a cache rebuilt after a failover) this many tokens "
+                         f"a call (default {PREFILL_CHUNK}), so that each batched forward holds the other sessions "
+                         f"in it for one chunk's share only; 0 = the whole feed in one call [SPECDEC_PREFILL_CHUNK]")
     ap.add_argument("--draft-wait-ms", type=float, default=float(env("DRAFT_WAIT_MS", DRAFT_WAIT_S * 1000)),
                     help="a draft call not answered within this is left to finish on its own and the round "
                          "verifies target-only; the session calls its draft again once that call has ended. "
@@ -336,7 +340,8 @@ async def serve(args: argparse.Namespace) -> None:
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
-                          call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None)
+                          call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
+                          prefill_chunk=args.prefill_chunk)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
     port = shell.listen(args.host, args.port, creds)
@@ -362,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
     if not 0 <= args.overlap_forks <= 16:
         ap.error(f"--overlap-forks must lie in 0..16, got {args.overlap_forks}")
+    if args.prefill_chunk < 0:
+        ap.error(f"--prefill-chunk must be 0 (off) or a number of tokens, got {args.prefill_chunk}")
     if not 0 < args.call_timeout < math.inf:
         ap.error(f"--call-timeout must be a finite number of seconds above 0, got {args.call_timeout}")
     if not 0 <= args.draft_wait_ms < math.inf:

@@ -13,6 +13,7 @@ from orchestrator.server import main
     (["--draft-wait-ms", "nan"], "--draft-wait-ms must be a finite number of milliseconds"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
     (["--log-format", "xml"], "argument --log-format: invalid choice: 'xml'"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk must be 0 (off) or a number of tokens, got -1"),
     (["--call-timeout", "0"], "--call-timeout must be a finite number of seconds above 0, got 0.0"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
