@@ -575,14 +575,15 @@ class Generator:
             gen.handle.draft_replica = await self.pools.pick("draft") or ""
             gen.handle.cursor.draft_len = 0
 
-    async def _in_time(self, gen: "_Generation", task: asyncio.Future):
-        """→ the draft call's result, or None where it has not come within `draft_wait`:
-        the call is then left to finish on its own (`gen.late`) and the round goes on
-        target-only, which keeps the output law (a round's γ may be anything, 0 included).
+    async def _in_time(self, gen: "_Generation", task: asyncio.Future, calls: int = 1):
+        """→ the draft call's result, or None where it has not come within `draft_wait` for
+        each of its `calls`: the call is then left to finish on its own (`gen.late`) and the
+        round goes on target-only, which keeps the output law (a round's γ may be anything).
         A seeded sampled session waits the call out instead: its tokens depend on where
         its rounds end, and it must reproduce (a replica that fails is replaced anyway)."""
         if not task.done():
             wait = self._wait_for(gen)
+            wait = None if wait is None else wait * calls
             try:
                 await asyncio.wait((task,), timeout=wait)
             except asyncio.CancelledError:
@@ -649,10 +650,12 @@ class Generator:
         gen.runner_ups, gen.line = None, None
         if gamma == 0:
             return [], None, 0
+        # a long feed goes in chunks (`_feed_in_chunks`), a call each, and each call gets the wait
+        chunks = self.prefill_chunk and max(0, (m - gen.handle.cursor.draft_len - 1) // self.prefill_chunk)
         if self._wait_for(gen) is None:  # no task needed to wait the call out
             got = await self._propose(gen, gamma)
         else:
-            got = await self._in_time(gen, asyncio.ensure_future(self._propose(gen, gamma)))
+            got = await self._in_time(gen, asyncio.ensure_future(self._propose(gen, gamma)), 1 + chunks)
         if got is None:
             return [], None, 0
         prop = got.response
