@@ -7,7 +7,10 @@ rebuilt from the committed tokens; with no draft replica left the loop goes on
 target-only and picks speculation up again when a draft returns. A draft replica that is
 there but does not answer (a pause, a hang, a queue far too long) is not waited for beyond
 `draft_wait`: the round goes on target-only and the session drafts again once the replica
-has answered (`Generator._in_time`).
+has answered (`Generator._in_time`). A long feed (a prompt's prefill, a cache rebuilt on
+another replica) goes to a replica in chunks of `prefill_chunk` tokens, a call each, so
+that no batched forward there holds the other sessions for a whole long prompt
+(`Generator._feed_in_chunks`).
 """
 from __future__ import annotations
 
