@@ -135,6 +135,7 @@ class _Generation:
     # a draft call the loop stopped waiting for (`Generator._in_time`): until it ends the
     # session makes no other, and its rounds are target-only
     late: asyncio.Task | None = None
+    closed: bool = False  # the loop has ended: a late call left running sends nothing more
 
     @property
     def governed(self) -> bool:
@@ -259,7 +260,7 @@ class Generator:
 
     async def _propose(self, gen: "_Generation", gamma: int) -> "_Proposal | None":
         """→ the proposal (at most γ tokens: fewer where the confidence stop cut it), or None
-        when no draft replica can serve."""
+        when no draft replica can serve, or the generation ended while the call was late."""
         handle, deadline = gen.handle, gen.deadline
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
@@ -269,6 +270,8 @@ class Generator:
                     return None
             try:
                 await self._feed_in_chunks(gen, "draft")
+                if gen.closed:
+                    return None
                 ref = rounds.draft_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
                 request = replica_pb2.ProposeRequest(
                     cache=ref_pb(ref), num_tokens=gamma, sampling=gen.params_pb, stop_below=gen.stop_below,
@@ -314,7 +317,7 @@ class Generator:
         uniforms are counter-based, so a seeded request draws the same later on). Failures
         raise, as the round's own call would."""
         chunk, handle = self.prefill_chunk, gen.handle
-        while chunk:  # handle.cursor is read afresh: a round may replace it meanwhile (a late draft's feed)
+        while chunk and not gen.closed:  # handle.cursor is read afresh: a round may replace it meanwhile
             start = handle.cursor.draft_len if kind == "draft" else handle.cursor.target_len
             if len(handle.committed) - start <= chunk:
                 return
@@ -503,6 +506,7 @@ class Generator:
             if tail:
                 await emit(tail, [])
         finally:
+            gen.closed = True
             if release is not None:
                 release.set()
             metrics.ACTIVE_SESSIONS.dec()
