@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from typing import Sequence
 
 import redis.asyncio as aioredis
@@ -27,6 +26,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from specdec import metrics
 from specdec.errors import Unavailable
+from specdec.retry import RetryWindow
 
 _Pending = tuple[bytes, asyncio.Future]  # (one packed command, its waiter)
 
@@ -86,7 +86,7 @@ class CommitBatcher:
                 raise
 
     async def _land(self, batch: list[_Pending]) -> None:
-        give_up, delay = time.monotonic() + self.retry_seconds, 0.05
+        window = RetryWindow(self.retry_seconds)
         todo = [(command, waiter) for command, waiter in batch if not waiter.done()]
         while todo:
             try:
@@ -100,7 +100,7 @@ class CommitBatcher:
             if not failed:
                 return
             todo, error = [item for item, _ in failed], failed[-1][1]
-            if time.monotonic() + delay > give_up:
+            if window.spent():
                 for _, waiter in todo:
                     if not waiter.done():
                         waiter.set_exception(Unavailable(f"Redis is unavailable: {error}"))
@@ -111,8 +111,7 @@ class CommitBatcher:
                     continue
                 except RedisError:
                     pass
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 0.5)
+            await window.wait()
 
     async def _round_trip(self, commands: list[bytes]) -> list:
         """One write of all the commands on one pooled connection, then their replies in

@@ -8,9 +8,7 @@ orchestrator can continue the session from the last completed round.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,6 +18,7 @@ from redis.exceptions import RedisError
 
 from specdec.commit_batch import CommitBatcher
 from specdec.errors import SessionNotFound, Unavailable
+from specdec.retry import RetryWindow
 from specdec.rounds import Cursor
 
 PREFIX = "specdec:session:"
@@ -151,15 +150,14 @@ class SessionStore:
     async def _retrying(self, script, keys: list[str], args: list):
         """The script's answer, retried with backoff while Redis is unreachable, for up to
         commit_retry_seconds (then Unavailable): every script here may run twice."""
-        give_up, delay = time.monotonic() + self.commit_retry_seconds, 0.05
+        window = RetryWindow(self.commit_retry_seconds)
         while True:
             try:
                 return await script(keys=keys, args=args)
             except RedisError as exc:
-                if time.monotonic() + delay > give_up:
+                if window.spent():
                     raise Unavailable(f"Redis is unavailable: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 0.5)
+                await window.wait()
 
     async def save(self, handle: SessionHandle) -> None:
         """Rewrite a whole handle (after a prompt is appended or the session is re-homed)."""
