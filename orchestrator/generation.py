@@ -317,9 +317,9 @@ class Generator:
         uniforms are counter-based, so a seeded request draws the same later on). Failures
         raise, as the round's own call would."""
         chunk, handle = self.prefill_chunk, gen.handle
-        while chunk and not gen.closed:  # handle.cursor is read afresh: a round may replace it meanwhile
+        while not gen.closed:  # handle.cursor is read afresh: a round may replace it meanwhile
             start = handle.cursor.draft_len if kind == "draft" else handle.cursor.target_len
-            if len(handle.committed) - start <= chunk:
+            if not self._chunk_calls(len(handle.committed) - start):
                 return
             feed = handle.committed[start : start + chunk]
             if kind == "draft":
@@ -334,6 +334,10 @@ class Generator:
                 await gen.links.verify(handle.target_replica, request, self._timeout(gen.deadline))
                 gen.stats.verify_ms += (time.perf_counter() - t0) * 1000
                 handle.cursor.target_len, handle.cursor.target_resync = start + chunk, False
+
+    def _chunk_calls(self, lacking: int) -> int:
+        """The calls of their own `_feed_in_chunks` makes for a cache `lacking` this many tokens."""
+        return (lacking - 1) // self.prefill_chunk if self.prefill_chunk and lacking > 0 else 0
 
     def _on_error(self, exc: grpc.aio.AioRpcError, handle: SessionHandle, kind: str, deadline,
                   stats: Stats) -> None:
@@ -658,7 +662,7 @@ class Generator:
         if gamma == 0:
             return [], None, 0
         # a long feed goes in chunks (`_feed_in_chunks`), a call each, and each call gets the wait
-        chunks = self.prefill_chunk and max(0, (m - gen.handle.cursor.draft_len - 1) // self.prefill_chunk)
+        chunks = self._chunk_calls(m - gen.handle.cursor.draft_len)
         if self._wait_for(gen) is None:  # no task needed to wait the call out
             got = await self._propose(gen, gamma)
         else:
