@@ -20,15 +20,11 @@ from dataclasses import dataclass, field, replace
 from specdec.internal.v1 import replica_pb2
 from draft_service.server import distributions_pb
 from target_service.server import verdict_to_pb
+from specdec.wire_pb import ref_to_pb
 
 
 def _params_pb(p) -> replica_pb2.SamplingParams:
     return replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
-
-
-def _ref_pb(ref) -> replica_pb2.CacheRef:
-    return replica_pb2.CacheRef(session_id=ref.session_id, epoch=ref.epoch, start=ref.start,
-                                tokens=ref.tokens, resync=ref.resync)
 
 
 @dataclass
@@ -56,7 +52,7 @@ class MeteredDraft:
         job, res = jobs[0], results[0]
         if not isinstance(res, Exception):
             dists = distributions_pb(res.q)
-            req = replica_pb2.ProposeRequest(cache=_ref_pb(job.ref), num_tokens=job.gamma, sampling=_params_pb(job.params))
+            req = replica_pb2.ProposeRequest(cache=ref_to_pb(job.ref), num_tokens=job.gamma, sampling=_params_pb(job.params))
             resp = replica_pb2.ProposeResponse(draft_tokens=res.tokens, distributions=dists, cache_length=res.cache_length,
                                                compute_ms=res.compute_ms, batch_size=res.batch_size)
             self.log._pending = (req.ByteSize() + resp.ByteSize(), list(res.tokens), dists)
@@ -81,8 +77,8 @@ class MeteredTarget:
         self.log._pending = None
         resp = verdict_to_pb(res)
         chances = resp.ByteSize() - verdict_to_pb(replace(res, keep_chances=None)).ByteSize()
-        bare = replica_pb2.VerifyRequest(cache=_ref_pb(job.ref), sampling=_params_pb(job.params))
-        full = replica_pb2.VerifyRequest(cache=_ref_pb(job.ref), sampling=_params_pb(job.params),
+        bare = replica_pb2.VerifyRequest(cache=ref_to_pb(job.ref), sampling=_params_pb(job.params))
+        full = replica_pb2.VerifyRequest(cache=ref_to_pb(job.ref), sampling=_params_pb(job.params),
                                          draft_tokens=ids, distributions=dists)
         gamma = len(job.draft_tokens)
         per_gamma = 2 * (full.ByteSize() - bare.ByteSize()) + chances  # ids + distributions, both hops; keep chances

@@ -15,15 +15,10 @@ from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_DRAFT
 from specdec.quantize import CHOICES as QUANTIZE_CHOICES
 from specdec.replica import ReplicaHost, build_runner
-from specdec.sessions import CacheRef
 from specdec.wire import encode
-from specdec.wire_pb import to_pb
+from specdec.wire_pb import ref_from_pb, to_pb
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
-
-
-def ref_from_pb(pb: replica_pb2.CacheRef) -> CacheRef:
-    return CacheRef(pb.session_id, pb.epoch, pb.start, list(pb.tokens), pb.resync)
 
 
 def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from orchestrator.generation import GenerationRequest, Generator, _Round
+from orchestrator.generation import GenerationRequest, Generator
+from orchestrator.loop_state import Round
 from specdec.internal.v1 import replica_pb2
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle, SessionStore
@@ -95,7 +96,7 @@ def test_a_rounds_commit_lands_in_place_when_the_next_round_is_applied_before_it
             emitted.append(tokens)
 
         def end(new, first):
-            book = _Round(len(new) - 1, len(new) - 1, (), len(new), 1, True, 1, 0.01, 0.005, False, ())
+            book = Round(len(new) - 1, len(new) - 1, (), len(new), 1, True, 1, 0.01, 0.005, False, ())
             return generator._end_round(gen, book, new, None, emit, first=first)
 
         rounds = [ids[0:3], ids[3:7], ids[7:9], ids[9:12]]

@@ -1,0 +1,124 @@
+"""The records the speculate → verify → correct loop passes between its parts: the request,
+what one generation carries from round to round, and what a round's bookkeeping takes
+(orchestrator/round_book.py). Plain data: no gRPC, no Redis, no model."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from orchestrator.gamma_policy import SessionPolicy
+from orchestrator.round_stream import SessionLinks
+from orchestrator.text import TextStream
+from specdec.internal.v1 import replica_pb2
+from specdec.sampling import SamplingParams
+from specdec.session_store import SessionHandle
+from specdec.sessions import CacheRef
+from specdec.spec_loop import LoopStats
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    session_id: str = ""
+    gamma: int | None = None  # None: adaptive
+    keep_session: bool = False
+    seeded: bool = False  # the client chose the seed: its output must be reproducible
+
+
+@dataclass
+class Stats(LoopStats):
+    """The in-process loop's round counts plus what only the distributed loop has."""
+    redis_ms: float = 0.0
+    network_ms: float = 0.0
+    failovers: int = 0
+    wire_bytes: int = 0
+    overlap_hits: int = 0
+    started: float = 0.0  # perf_counter at the request's start
+    first_token_ms: float = 0.0  # from the start until the first tokens were handed to the client (0: none yet)
+
+
+@dataclass
+class Outcome:
+    session_id: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+    prompt_tokens: int
+    seed: int
+    draft_replica: str
+    target_replica: str
+    total_ms: float
+
+
+Emit = Callable[[str, list[int]], Awaitable[None]]
+
+
+@dataclass
+class Generation:
+    """What one run of the loop carries from round to round besides its tokens."""
+    handle: SessionHandle
+    deadline: float | None
+    links: SessionLinks
+    stats: Stats
+    policy: SessionPolicy
+    text: TextStream
+    params_pb: replica_pb2.SamplingParams
+    stop_below: float  # the confidence stop of this generation's proposals (0: off)
+    prompt_len: int
+    last_draft_probe: float
+    runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
+    # where this round's draft came from a fork: how far the draft replica's own cache still
+    # holds the committed tokens (None: it holds the draft too, up to its last token)
+    line: int | None = None
+    speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
+    rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
+    calls: list["Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping
+    # a draft call the loop stopped waiting for (`DraftWaits.in_time`): until it ends the
+    # session makes no other, and its rounds are target-only
+    late: asyncio.Task | None = None
+    closed: bool = False  # the loop has ended: a late call left running sends nothing more
+
+    @property
+    def governed(self) -> bool:
+        """Whether the load governor may turn this generation's speculation off: adaptive
+        γ only, and not a seeded sampled request (its policy is deterministic)."""
+        return self.policy.fixed is None and not self.policy.deterministic
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft replica's answer to a proposal, with what was asked and how long it took."""
+    response: replica_pb2.ProposeResponse
+    ref: CacheRef  # the cache positions and tokens the call fed
+    ms: float
+
+
+@dataclass(frozen=True)
+class Call:
+    """An answered internal call, as the round's bookkeeping (round_book.note_call) needs it."""
+    pool: str  # "draft" or "target"
+    ms: float  # its wall time
+    request: object | None  # the message sent, where its size counts on the wire
+    response: object
+    steady: bool  # fed at most two tokens: a measure of a round's call (a prefill is not)
+    tokens: int  # γ asked for (draft), or drafted tokens verified (target)
+
+
+@dataclass(frozen=True)
+class Round:
+    """What a round's bookkeeping needs (round_book.record_round), taken as the round ends."""
+    gamma: int
+    accepted: int
+    chances: tuple[float, ...]  # the target's keep chances of a sampled draft
+    tokens: int  # committed this round
+    active: int  # generations in flight as it began
+    speculating: bool  # its mode under load
+    rounds_in_mode: int
+    seconds: float  # its wall time
+    calls_ms: float  # of which in its two calls
+    plain: bool  # its own calls only, past the prefill: a measure of the loop's overhead
+    calls: tuple[Call, ...]

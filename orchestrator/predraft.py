@@ -1,0 +1,210 @@
+"""Overlapped drafting: while the target verifies round k, the draft already drafts round
+k+1 on a prefix round k may end with (as in PEARL, Liu et al. 2025).
+
+The main pre-draft assumes round k is accepted in full: it feeds the draft tokens the
+draft's cache lacks, guesses the bonus token under the target's own noise for it
+(sampling.bonus_guess_rows) and drafts on after it. It is kept only if the guess was the
+bonus the target drew; the rest was drafted on exactly the committed prefix with the same
+per-position randomness, so it is the draft round k+1 would have made, and the output law
+is the target's. A fork (greedy, alone) feeds a likely correction of a rejected round
+instead, the draft's runner-up, in a private copy of the draft's cache. Work drafted on a
+prefix the verdict rejects is dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from orchestrator.draft_waits import DraftWaits
+from orchestrator.gamma_policy import CostModel
+from orchestrator.loop_state import Generation
+from specdec import metrics, rounds
+from specdec.errors import DeadlineExceeded
+from specdec.internal.v1 import replica_pb2
+from specdec.sessions import CacheRef
+from specdec.wire import drop_first_rows
+from specdec.wire_pb import from_pb, ref_to_pb, to_pb
+
+OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this
+OVERLAP_MIN_USE = 0.5  # under load, only while at least this share of a kind's pre-drafts were used
+# greedy, alone: at most this many branch pre-drafts beside the main one. Off by default:
+# on the 2-core CPU the draft's batch of forks outlasts the verification (benchmarks/HISTORY.md, "Forks")
+OVERLAP_FORKS = 0
+FORK_MIN_HIT = 0.03  # a branch is forked when its chance of use is at least this
+
+# the next round's (draft tokens, their distributions or None, γ, runner-ups, line), as
+# `Generator.run` takes a round's draft
+NextDraft = tuple[list[int], "replica_pb2.DraftDistributions | None", int, "list[int] | None", "int | None"]
+
+
+@dataclass
+class Ahead:
+    """The pre-drafts running beside a round's verification: the main one (round accepted in
+    full, bonus guessed) and forks by kept length j (runner-up at j + 1, its cache's base)."""
+    main: asyncio.Task | None = None
+    forks: dict[int, tuple[int, int, asyncio.Task]] = field(default_factory=dict)
+
+    def tasks(self) -> list[asyncio.Task]:
+        return ([self.main] if self.main else []) + [task for _, _, task in self.forks.values()]
+
+    def cancel(self) -> None:
+        for task in self.tasks():
+            task.cancel()
+
+
+class PreDrafter:
+    """When to pre-draft, the calls that do it, and what a verdict keeps of them."""
+
+    def __init__(self, costs: CostModel, waits: DraftWaits, timeout: Callable[[float | None], float],
+                 max_len: int, calls: str, enabled: bool = True, min_hit: float = OVERLAP_MIN_HIT,
+                 min_use: float = OVERLAP_MIN_USE, forks: int = OVERLAP_FORKS) -> None:
+        self.costs = costs
+        self.waits = waits
+        self.timeout = timeout  # a call's timeout for a deadline (`Generator._timeout`)
+        self.max_len = max_len
+        self.calls = calls  # how Propose travels: round_stream.CALL_MODES
+        self.enabled = enabled  # adaptive γ only
+        self.min_hit = min_hit
+        self.min_use = min_use  # under load (CostModel.predraft_pays)
+        self.forks = forks  # greedy branch pre-drafts while alone
+
+    # ----------------------------------------------------------------- starting
+    def start(self, gen: Generation, draft_tokens: list[int], gamma: int, remaining: int,
+              m: int) -> Ahead | None:
+        """Pre-draft round k+1 beside round k's verification, when that is likely to pay:
+        the main pre-draft when the round is likely to be accepted in full with the bonus
+        guessed right, forks (`_likely_forks`) on the likely rejections; otherwise it is
+        draft work thrown away, which also slows the verification it runs beside on
+        shared cores."""
+        policy = gen.policy
+        if not (self.enabled and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
+                and gen.speculating and self.waits.ready(gen)):
+            return None
+        main = policy.predraft_hit(gamma) >= self.min_hit
+        if main and not self.costs.predraft_pays(policy.greedy, self.min_use):
+            metrics.OVERLAP.labels("skipped").inc()
+            main = False
+        forks = self._likely_forks(gen, gamma)
+        if not (main or forks):
+            return None
+        want = policy.choose(self.costs)  # one choice a round: choose counts the rounds it makes
+        ahead = Ahead()
+        # the draft's cache holds the committed tokens and the draft up to its last token,
+        # or, after a fork, the committed tokens up to gen.line: feed what it lacks
+        line = m + gamma - 1 if gen.line is None else gen.line
+        seq = gen.handle.committed + draft_tokens
+        g2 = rounds.plan_gamma(want, remaining - gamma - 1, m + gamma + 1, self.max_len) if main else 0
+        if g2 > 0:
+            ahead.main = asyncio.create_task(self._predraft(gen, line, seq[line:], g2 + 1))
+        for j in forks:
+            g = rounds.plan_gamma(want, remaining - j - 1, m + j + 1, self.max_len)
+            if g > 0:
+                base = min(line, m + j)
+                feed = seq[base : m + j] + [gen.runner_ups[j]]
+                task = asyncio.create_task(self._predraft(gen, base, feed, g, fork=True))
+                ahead.forks[j] = (gen.runner_ups[j], base, task)
+                metrics.OVERLAP.labels("fork").inc()
+        return ahead if ahead.tasks() else None
+
+    def forks_wanted(self, gen: Generation) -> bool:
+        """Whether this session pre-drafts forks: greedy (a fork's guess is the draft's
+        runner-up, the correction a greedy target most often makes), adaptive, and only
+        while sessions have the target to themselves: alone, a fork costs draft time that
+        would idle during the verification; under load it would cost other sessions."""
+        policy = gen.policy
+        return self.enabled and self.forks > 0 and policy.greedy and policy.fixed is None and self.costs.alone
+
+    def _likely_forks(self, gen: Generation, gamma: int) -> list[int]:
+        """The kept lengths j worth a fork, likeliest first: each fork feeds the draft's
+        runner-up at position j + 1 (what the target would correct to) on the committed
+        tokens and the first j draft tokens, and drafts the next round after it."""
+        ups = gen.runner_ups
+        if not (self.forks_wanted(gen) and ups and len(ups) >= gamma):
+            return []
+        chances = gen.policy.branch_chances(gamma)
+        likely = sorted((j for j in range(gamma) if chances[j] >= FORK_MIN_HIT), key=lambda j: -chances[j])
+        return likely[: self.forks]
+
+    async def _predraft(self, gen: Generation, start: int, feed: list[int], num_tokens: int,
+                        fork: bool = False) -> replica_pb2.ProposeResponse | None:
+        """One pre-draft call (`fork` False: the main one). One attempt; any failure just
+        means no pre-draft."""
+        handle = gen.handle
+        request = replica_pb2.ProposeRequest(
+            cache=ref_to_pb(CacheRef(handle.session_id, handle.epoch, start, feed)),
+            num_tokens=num_tokens, sampling=gen.params_pb, guess_bonus=not fork, stop_below=gen.stop_below,
+            runner_ups=self.forks_wanted(gen), fork=fork)
+        try:
+            resp = await gen.links.propose(handle.draft_replica, request, self.timeout(gen.deadline),
+                                           ordered=not fork)
+        except (grpc.aio.AioRpcError, DeadlineExceeded):
+            return None
+        gen.stats.wire_bytes += resp.ByteSize()
+        return resp
+
+    # ----------------------------------------------------------------- taking
+    async def take(self, gen: Generation, ahead: Ahead, verdict, gamma: int) -> NextDraft | None:
+        """→ the next round's draft from a pre-draft the verdict made right, or None. A
+        wasted pre-draft on a stream is left to finish (it usually has: drafting is the
+        shorter half of a round); the next call on that stream queues behind it, where
+        cancelling would cost the stream."""
+        kept = ahead.main
+        if self.calls == "unary":
+            for j, (_, _, task) in ahead.forks.items():
+                if j != verdict.accepted:
+                    task.cancel()
+            if verdict.accepted < gamma and kept is not None:
+                kept.cancel()
+        if verdict.accepted < gamma:
+            if kept is not None:
+                metrics.OVERLAP.labels("attempt").inc()
+                self.costs.observe_predraft(gen.policy.greedy, False)
+            return await self._take_fork(gen, ahead, verdict)
+        if kept is None:
+            return None
+        metrics.OVERLAP.labels("attempt").inc()
+        return await self._take_main(gen, kept, verdict)
+
+    async def _take_fork(self, gen: Generation, ahead: Ahead, verdict) -> NextDraft | None:
+        """A rejected round's fork, if it was drafted from the token the target corrected
+        to: greedy drafting is a function of the prefix, so its tokens are a draft the
+        next round could have made (and the target checks every draft token anyway). The
+        draft's own cache then holds the committed tokens up to the fork's base only."""
+        fork = ahead.forks.get(verdict.accepted)
+        if fork is None:
+            return None
+        guess, base, task = fork
+        gen.policy.observe_runner_up(guess == verdict.next_token)
+        if guess != verdict.next_token:
+            if self.calls == "unary":
+                task.cancel()
+            return None
+        spec = await self.waits.in_time(gen, task)
+        if spec is None or not spec.draft_tokens:
+            return None
+        metrics.OVERLAP.labels("fork_hit").inc()
+        gen.stats.overlap_hits += 1
+        return list(spec.draft_tokens), None, len(spec.draft_tokens), list(spec.runner_ups) or None, base
+
+    async def _take_main(self, gen: Generation, ahead: asyncio.Task, verdict) -> NextDraft | None:
+        """The main pre-draft, kept only if its bonus token is the one the draft guessed."""
+        greedy = gen.policy.greedy
+        spec = await self.waits.in_time(gen, ahead)
+        if gen.late is ahead:
+            return None
+        if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
+            self.costs.observe_predraft(greedy, False)
+            return None
+        gen.policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
+        self.costs.observe_predraft(greedy, spec.draft_tokens[0] == verdict.next_token)
+        if spec.draft_tokens[0] != verdict.next_token:
+            return None
+        metrics.OVERLAP.labels("hit").inc()
+        gen.stats.overlap_hits += 1
+        # a greedy proposal has no distributions
+        dists = to_pb(drop_first_rows(from_pb(spec.distributions), 1)) if spec.HasField("distributions") else None
+        tokens = list(spec.draft_tokens[1:])
+        return tokens, dists, len(tokens), list(spec.runner_ups[1:]) or None, None
