@@ -21,7 +21,7 @@ from specdec import event_loop, metrics
 from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, refusing_to_start, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError
 from specdec.gc_tuning import freeze_startup_heap
-from specdec.grpc_server import ServerShell, abort, server_credentials, status_of
+from specdec.grpc_server import ServerShell, abort, server_credentials, status_of, watch_stop
 from specdec.models import BUNDLED_TARGET, load_tokenizer
 from specdec.registry import Registry
 from specdec.session_store import SessionStore
@@ -354,9 +354,11 @@ async def serve(args: argparse.Namespace) -> None:
              event_loop.running())
     await shell.stopping.wait()
     log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
+    end_watch = watch_stop(args.drain_seconds)
     await shell.drain_and_stop(args.drain_seconds)
     await pools.close()
     await redis.aclose()
+    end_watch()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import io
 import logging
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +22,9 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # how often a client pings an idle connection to find a dead peer; a server accepts
 # pings three times as often (SPECDEC_KEEPALIVE_MS: the same on every process of a deployment)
 KEEPALIVE_MS = int(os.environ.get("SPECDEC_KEEPALIVE_MS", "30000"))
+# a stop still running this many seconds past its drain's grace writes the stacks of what it
+# still waits on (`watch_stop`)
+STOP_SLACK_S = 5.0
 
 STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -111,6 +117,33 @@ class ServerShell:
         """Refuse new calls, let the ones in flight finish within `grace`."""
         await self.set_serving(False)
         await self.server.stop(grace)
+
+
+def watch_stop(grace: float, slack: float = STOP_SLACK_S) -> Callable[[], None]:
+    """Write the stack of every thread (to stderr) and of every pending task (to the log)
+    if a stop runs `slack` seconds past its drain's `grace`; → the function that ends the
+    watch. A stop's steps after the drain (deregistering, the batcher's thread, closing
+    Redis) have no deadline of their own, and a replica was once seen not to exit (Kubernetes
+    kills it at the end of its grace period; the local stack after 15 s): this says where it
+    hung. The thread dump comes from a C thread, so it is written even when the event loop
+    itself is blocked; the tasks' stacks say what the loop awaits when it is not."""
+    after = grace + slack
+    faulthandler.dump_traceback_later(after, exit=False)
+    timer = asyncio.get_running_loop().call_later(after, _log_pending_tasks, after)
+
+    def end() -> None:
+        faulthandler.cancel_dump_traceback_later()
+        timer.cancel()
+
+    return end
+
+
+def _log_pending_tasks(after: float) -> None:
+    for task in asyncio.all_tasks():
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.warning("the stop has run %.1fs and still waits on task %s:\n%s", after, task.get_name(),
+                    stack.getvalue().rstrip())
 
 
 async def _maybe_await(value):

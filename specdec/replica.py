@@ -17,7 +17,7 @@ from specdec.errors import SpecDecError
 from specdec.frame_server import FrameServer, MuxMethod
 from specdec.frames import server_ssl_context
 from specdec.gc_tuning import freeze_startup_heap
-from specdec.grpc_server import ServerShell, abort, server_credentials
+from specdec.grpc_server import ServerShell, abort, server_credentials, watch_stop
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
 from specdec.models import dtype_name, load_model, pick_device, pick_dtype
@@ -149,6 +149,7 @@ class ReplicaHost:
                  event_loop.running())
         await self.shell.stopping.wait()
         log.info("draining: deregistering and finishing calls in flight (up to %.0fs)", self.args.drain_seconds)
+        end_watch = watch_stop(self.args.drain_seconds)
         await self.heartbeat.stop()
         if self.frame_server is not None:
             await asyncio.gather(self.shell.drain_and_stop(self.args.drain_seconds),
@@ -157,4 +158,5 @@ class ReplicaHost:
             await self.shell.drain_and_stop(self.args.drain_seconds)
         await self.batcher.stop()
         await self.redis.aclose()
+        end_watch()
         log.info("stopped")

@@ -1,0 +1,47 @@
+"""watch_stop: a server's stop that runs past its drain's grace says where it hangs.
+
+Each case runs in a process of its own, since the thread dump comes from a C thread that
+writes to the process's stderr."""
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, logging, sys
+    from specdec.grpc_server import watch_stop
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    async def deregister_forever():
+        await asyncio.Event().wait()
+
+    async def main(stop_after):
+        end = watch_stop(0.1, slack=0.1)
+        step = asyncio.create_task(deregister_forever(), name="deregistering")
+        await asyncio.sleep(stop_after)
+        end()
+        step.cancel()
+        await asyncio.sleep(0.4)  # past the watch's time, had it not ended
+
+    asyncio.run(main(float(sys.argv[1])))
+""")
+
+
+def run(stop_after: float) -> str:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(stop_after)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_a_stop_past_its_grace_writes_the_threads_and_the_tasks_it_waits_on():
+    err = run(stop_after=0.5)
+    assert "most recent call first" in err  # faulthandler's dump of the threads
+    assert "still waits on task deregistering" in err
+    assert "deregister_forever" in err  # the task's own stack
+
+
+def test_a_stop_within_its_grace_writes_nothing():
+    err = run(stop_after=0.05)
+    assert "most recent call first" not in err
+    assert "still waits on" not in err
