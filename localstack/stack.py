@@ -19,6 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
 
 
+STOP_WAIT_S = 15.0  # how long `LocalStack.stop` waits for a server to exit after SIGTERM
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -235,10 +238,20 @@ class LocalStack:
                 rep.proc.terminate()
         for rep in self.orchestrators + self.replicas:
             try:
-                rep.proc.wait(15)
+                rep.proc.wait(STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 rep.proc.kill()
+                rep.proc.wait(10)
+                self._report_kill(rep)
         self.stop_redis()
+
+    def _report_kill(self, rep: Replica, lines: int = 40) -> None:
+        """A server that had to be killed says so, with the end of its log: a stop that
+        hangs writes there where it hangs (specdec/grpc_server.watch_stop)."""
+        path = self.workdir / f"{rep.kind}-{rep.port}.log"
+        tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+        print(f"localstack: {rep.kind} {rep.address} did not exit within {STOP_WAIT_S:.0f}s of SIGTERM and was "
+              f"killed; the end of its log ({path}):", *tail, sep="\n", file=sys.stderr)
 
     def __enter__(self) -> "LocalStack":
         return self

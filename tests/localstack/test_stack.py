@@ -55,3 +55,26 @@ def test_run_that_cannot_start_stops_what_it_started(bundled_paths):
     for name, port in ports.items():
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"the {name} on port {port} outlived the launcher"
+
+
+def test_a_server_that_does_not_stop_is_killed_and_its_log_shown(bundled_paths, monkeypatch, capsys):
+    """A replica paused with SIGSTOP cannot act on SIGTERM: the launcher kills it after its
+    wait and prints the end of the replica's log."""
+    import os
+    import signal
+
+    import localstack.stack as stack_module
+
+    monkeypatch.setattr(stack_module, "STOP_WAIT_S", 1.0)
+    stack = LocalStack()
+    try:
+        stack.start_redis()
+        replica = stack.start_replica("draft")
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+    finally:
+        stack.stop()
+        shutil.rmtree(stack.workdir, ignore_errors=True)
+    assert replica.proc.returncode == -signal.SIGKILL
+    err = capsys.readouterr().err
+    assert f"draft {replica.address} did not exit within 1s of SIGTERM and was killed" in err
+    assert "replica serving on" in err  # the log's own lines
