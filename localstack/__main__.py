@@ -74,12 +74,12 @@ def cmd_loadtest(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    from localstack.soak import soak
+    from localstack.soak import passed, soak
 
     with _stack(args) as stack:
         stack.start()
         report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens))
-        return 0 if report["errors"] == 0 else 1
+        return 0 if passed(report) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--concurrency", type=int, default=4)
     lt.add_argument("--duration", type=float, default=20.0)
     lt.add_argument("--max-new-tokens", type=int, default=32)
-    so = sub.add_parser("soak", help="N concurrent streams for M minutes; errors, latency, memory")
-    so.add_argument("--streams", type=int, default=8)
-    so.add_argument("--minutes", type=float, default=10.0)
-    so.add_argument("--max-new-tokens", type=int, default=64)
+    so = sub.add_parser("soak", help="N concurrent clients for M minutes through a mix of requests; errors, "
+                        "latency, memory, repeated outputs, sessions left over (exits 1 on any fault)")
+    so.add_argument("--streams", type=int, default=8, help="concurrent clients, one request at a time each (default 8)")
+    so.add_argument("--minutes", type=float, default=10.0, help="how long the clients keep sending (default 10)")
+    so.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a request asks for (default 64)")
     for p in (run, demo, lt, so):
         p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     args = ap.parse_args(argv)

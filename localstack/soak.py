@@ -1,10 +1,19 @@
 """Soak: N concurrent streaming clients against a local stack for a while.
 
-Each client loops — one GenerateStream at a time — until the time is up (or the request
-budget is spent). The report counts requests and errors by status code, gives latency
-percentiles of whole requests and of the first chunk, and each process's resident
-memory (VmRSS) at the start, after the first minute and at the end: after warm-up the
-memory should stay flat.
+Each client loops, one request at a time, until the time is up (or the request budget is
+spent), through a mix of what users send (`KINDS`): greedy and seeded sampled requests
+with the adaptive γ, a fixed γ and target-only, stop strings, long prompts (fed to the
+replicas in chunks), two-turn conversations ended with EndSession, and streams the client
+cancels after their first chunk.
+
+The report counts requests and errors by status code, gives latency percentiles of whole
+requests and of the first chunk, and each process's resident memory (VmRSS) at the start,
+after the first minute and at the end: after warm-up the memory should stay flat. It also
+checks what must hold however busy the stack is:
+- the same greedy request gives the same tokens every time, whichever γ it ran with, and
+  the same seeded request reproduces its tokens (a mismatch is counted and fails the soak);
+- once the clients stop, no session is left over: no handle in Redis, no cache on a
+  replica, beyond what was there before (cancelled and ended sessions included).
 """
 from __future__ import annotations
 
@@ -14,14 +23,22 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import redis
 
+from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+from specdec.session_store import PREFIX
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 
 PROMPTS = ["def parse_args(argv):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
            "import json\n\ndef load_config(path):\n", "def binary_search(items, target):\n",
            "for line in open(path):\n", "async def fetch(session, url):\n"]
+LONG_PROMPT = "total = add(total, item)  # sum of the values seen so far\n" * 48  # about 1,000 tokens
+# what one request of each kind asks (`request_for`); the clients take them in turn
+KINDS = ("greedy", "seeded", "stop", "long", "fixed_gamma", "conversation", "cancelled", "target_only")
+SEEDS = 3  # seeded requests reuse this many seeds per prompt, so that each repeats
 WARMUP_SECONDS = 60.0
+SETTLE_SECONDS = 15.0  # how long the leftover check waits for releases still on their way
 
 
 def resident_mib(pid: int) -> float | None:
@@ -51,43 +68,146 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99)}
 
 
-def request_for(i: int) -> pb.GenerateRequest:
-    """Alternate greedy and seeded sampling over the prompts."""
-    req = pb.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)])
-    if i % 2:
-        req.temperature, req.seed = 0.8, i
-    else:
-        req.temperature = 0.0
-    return req
+def request_for(i: int, max_new_tokens: int) -> tuple[str, pb.GenerateRequest]:
+    """→ (the kind, the request) of the i-th request; a conversation's first turn."""
+    kind = KINDS[i % len(KINDS)]
+    prompt = PROMPTS[(i // len(KINDS)) % len(PROMPTS)]
+    req = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0)
+    if kind == "seeded":
+        req.temperature, req.seed = 0.8, i % SEEDS
+    elif kind == "stop":
+        req.stop.append("\n\n")
+    elif kind == "long":
+        req.prompt = LONG_PROMPT + prompt
+    elif kind == "fixed_gamma":
+        req.num_speculative_tokens = 4
+    elif kind == "conversation":
+        req.keep_session = True
+    elif kind == "target_only":
+        req.num_speculative_tokens = 0
+    return kind, req
+
+
+def consistency_key(req: pb.GenerateRequest) -> tuple | None:
+    """Requests with equal keys must give equal tokens: greedy ones (whatever their γ) and
+    seeded sampled ones. None: no such promise (a conversation's turns, a cancelled stream)."""
+    if req.session_id or req.keep_session:
+        return None
+    seed = req.seed if req.temperature > 0 else None
+    if req.temperature > 0 and not req.HasField("seed"):
+        return None
+    return req.prompt, req.max_new_tokens, req.temperature, seed, tuple(req.stop)
+
+
+class Tally:
+    """What the clients saw, shared by all of them (one event loop)."""
+
+    def __init__(self) -> None:
+        self.latency: list[float] = []
+        self.first_chunk: list[float] = []
+        self.errors: Counter = Counter()
+        self.kinds: Counter = Counter()
+        self.tokens = 0
+        self.cancelled = 0
+        self.mismatches = 0
+        self.expected: dict[tuple, list[int]] = {}
+
+    def check(self, req: pb.GenerateRequest, tokens: list[int]) -> None:
+        key = consistency_key(req)
+        if key is None:
+            return
+        want = self.expected.setdefault(key, tokens)
+        if tokens != want:
+            self.mismatches += 1
+
+
+async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: float,
+                      cancel_after_first: bool = False) -> str | None:
+    """One GenerateStream; → its session id (None when it failed or was cancelled)."""
+    t0, first, tokens, session = time.perf_counter(), None, [], None
+    call = stub.GenerateStream(req, timeout=timeout)
+    try:
+        async for chunk in call:
+            session = chunk.session_id or session
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - t0
+                if cancel_after_first:
+                    call.cancel()
+                    tally.cancelled += 1
+                    return None
+            tokens.extend(chunk.token_ids)
+    except asyncio.CancelledError:
+        raise
+    except grpc.aio.AioRpcError as exc:
+        tally.errors[exc.code().name] += 1
+        return None
+    tally.latency.append(time.perf_counter() - t0)
+    if first is not None:
+        tally.first_chunk.append(first)
+    tally.tokens += len(tokens)
+    tally.check(req, tokens)
+    return session
+
+
+async def one_request(stub, i: int, max_new_tokens: int, tally: Tally, timeout: float) -> None:
+    kind, req = request_for(i, max_new_tokens)
+    tally.kinds[kind] += 1
+    session = await stream_once(stub, req, tally, timeout, cancel_after_first=kind == "cancelled")
+    if kind != "conversation" or session is None:
+        return
+    follow = pb.GenerateRequest(prompt="\n# and then\n", max_new_tokens=max_new_tokens, temperature=0.0,
+                                session_id=session)
+    await stream_once(stub, follow, tally, timeout)
+    try:
+        await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        tally.errors[f"EndSession {exc.code().name}"] += 1
+
+
+async def sessions_held(stack) -> dict[str, int]:
+    """Session handles in Redis and caches on each replica, now."""
+    client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
+    try:
+        held = {"redis": sum(1 for key in client.scan_iter(PREFIX + "*") if key.count(b":") == 2)}
+    finally:
+        client.close()
+    for rep in stack.replicas:
+        if rep.proc.poll() is not None:
+            continue
+        async with grpc.aio.insecure_channel(rep.address) as channel:
+            stub = (replica_pb2_grpc.DraftStub if rep.kind == "draft" else replica_pb2_grpc.TargetStub)(channel)
+            held[f"{rep.kind}@{rep.port}"] = (await stub.Load(replica_pb2.LoadRequest(), timeout=10)).sessions
+    return held
+
+
+async def leftovers(stack, before: dict[str, int]) -> dict[str, int]:
+    """Sessions held beyond `before` once the releases still on their way have landed."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        now = await sessions_held(stack)
+        extra = {name: n - before.get(name, 0) for name, n in now.items() if n > before.get(name, 0)}
+        if not extra or time.monotonic() > deadline:
+            return extra
+        await asyncio.sleep(0.5)
 
 
 async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
                max_requests: int | None = None) -> dict:
-    """Run the soak against `stack` (a started LocalStack); print and return the report."""
+    """Run the soak against `stack` (a started LocalStack, nothing else using it); print
+    and return the report."""
     procs = processes(stack)
     memory = {name: {"start": resident_mib(pid)} for name, pid in procs.items()}
-    latency, first_chunk, errors, tokens = [], [], Counter(), 0
-    issued = 0
+    before = await sessions_held(stack)
+    tally, issued = Tally(), 0
     t_start = time.monotonic()
     t_end = t_start + seconds
+    timeout = max(30.0, 2 * seconds)
 
-    async def client(stub, worker: int) -> None:
-        nonlocal issued, tokens
+    async def client(stub) -> None:
+        nonlocal issued
         while time.monotonic() < t_end and (max_requests is None or issued < max_requests):
-            req = request_for(issued + worker)
-            req.max_new_tokens = max_new_tokens
-            issued += 1
-            t0, first = time.perf_counter(), None
-            try:
-                async for chunk in stub.GenerateStream(req, timeout=max(30.0, 2 * seconds)):
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter() - t0
-                    tokens += len(chunk.token_ids)
-                latency.append(time.perf_counter() - t0)
-                if first is not None:
-                    first_chunk.append(first)
-            except grpc.aio.AioRpcError as exc:
-                errors[exc.code().name] += 1
+            i, issued = issued, issued + 1  # the clients take the kinds in turn between them
+            await one_request(stub, i, max_new_tokens, tally, timeout)
 
     async def sample_after_warmup() -> None:
         await asyncio.sleep(WARMUP_SECONDS)
@@ -97,23 +217,30 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     async with grpc.aio.insecure_channel(stack.orchestrator_address) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         sampler = asyncio.create_task(sample_after_warmup()) if seconds >= WARMUP_SECONDS else None
-        await asyncio.gather(*(client(stub, w) for w in range(streams)))
+        await asyncio.gather(*(client(stub) for _ in range(streams)))
         if sampler is not None and not sampler.done():
             sampler.cancel()
     elapsed = time.monotonic() - t_start
     for name, pid in procs.items():
         memory[name].setdefault("after_first_minute", None)
         memory[name]["end"] = resident_mib(pid)
+    left = await leftovers(stack, before)
 
     report = {
         "streams": streams, "seconds": round(elapsed, 1), "max_new_tokens": max_new_tokens,
-        "requests": len(latency) + sum(errors.values()), "ok": len(latency),
-        "errors": sum(errors.values()), "errors_by_code": dict(errors), "tokens": tokens,
-        "latency_s": {"request": percentiles(latency), "first_chunk": percentiles(first_chunk)},
+        "requests": len(tally.latency) + sum(tally.errors.values()) + tally.cancelled, "ok": len(tally.latency),
+        "cancelled": tally.cancelled, "kinds": dict(tally.kinds),
+        "errors": sum(tally.errors.values()), "errors_by_code": dict(tally.errors), "tokens": tally.tokens,
+        "mismatches": tally.mismatches, "checked": len(tally.expected), "leftovers": left,
+        "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
         "memory_mib": memory,
     }
     print(format_report(report), flush=True)
     return report
+
+
+def passed(report: dict) -> bool:
+    return report["errors"] == 0 and report["mismatches"] == 0 and not report["leftovers"]
 
 
 def format_report(r: dict) -> str:
@@ -125,8 +252,14 @@ def format_report(r: dict) -> str:
 
     lines = [f"soak: {r['streams']} streams for {r['seconds']:.0f} s, max_new_tokens {r['max_new_tokens']}",
              f"requests  {r['requests']} ({r['requests'] / max(r['seconds'], 1e-9):.2f}/s), "
-             f"ok {r['ok']}, errors {r['errors']}" + (f" {r['errors_by_code']}" if r["errors"] else ""),
+             f"ok {r['ok']}, cancelled by the client {r['cancelled']}, errors {r['errors']}"
+             + (f" {r['errors_by_code']}" if r["errors"] else ""),
+             "by kind   " + ", ".join(f"{k} {n}" for k, n in r["kinds"].items()),
              f"tokens    {r['tokens']} ({r['tokens'] / max(r['seconds'], 1e-9):.1f}/s)",
+             f"repeats   {r['mismatches']} of the requests that must repeat their tokens did not "
+             f"({r['checked']} distinct greedy or seeded requests)",
+             "left over " + (", ".join(f"{name} {n}" for name, n in r["leftovers"].items())
+                             if r["leftovers"] else "no session handle or cache beyond those there before"),
              "",
              "latency (s)      p50     p90     p99"]
     for name, key in (("request", "request"), ("first chunk", "first_chunk")):

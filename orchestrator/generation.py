@@ -281,8 +281,8 @@ class Generator:
                 if pending is not None:
                     await pending  # rounds are committed and streamed in order
                 book = Round(gamma, verdict.accepted, tuple(verdict.keep_chances), len(new), active,
-                              gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
-                              gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
+                             gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
+                             gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
                 gen.calls.clear()
                 release, pending = self._end_round(gen, book, new, out_text, emit, first=len(generated) == len(new))
                 if reason in ("eos", "stop"):
