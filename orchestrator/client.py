@@ -1,13 +1,23 @@
 """Command-line client: prompt in, streamed text out, stats at the end.
 
     python -m orchestrator.client "def fibonacci(n):" --max-new-tokens 64
+    python -m orchestrator.client "class Stack:" --keep-session      # prints the session id
+    python -m orchestrator.client "    def push(self, x):" --session-id ID
+    python -m orchestrator.client --end-session ID                    # release its caches
+    echo "def main(" | python -m orchestrator.client - --json         # one JSON object, for scripts
+
+The text goes to standard output, the stats and the session to standard error. A call that
+fails prints its gRPC status and message and exits 1; Ctrl-C cancels the call and exits 130.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import grpc
+from google.protobuf import json_format
 
 from specdec.grpc_server import channel_credentials
 from specdec.v1 import orchestrator_pb2 as pb
@@ -36,24 +46,41 @@ def format_stats(s: pb.GenerationStats) -> str:
             f"network {t.network_ms:.0f} ms, redis {t.redis_ms:.0f} ms; seed {s.seed}]")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m orchestrator.client", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prompt", help="prompt text ('-' reads standard input)")
-    ap.add_argument("--address", default="127.0.0.1:50051")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("prompt", nargs="?", help="prompt text ('-' reads standard input); with --session-id it "
+                    "continues the session and may be empty")
+    ap.add_argument("--address", default="127.0.0.1:50051", help="the orchestrator, host:port (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float)
-    ap.add_argument("--seed", type=int)
+    ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = all (default)")
+    ap.add_argument("--top-p", type=float, help="keep the likeliest tokens up to this mass, in (0, 1]; unset = all")
+    ap.add_argument("--seed", type=int, help="the sampling seed: the same request and seed give the same "
+                    "tokens; unset = a random one, printed with the stats")
     ap.add_argument("--gamma", type=int, help="speculation length; unset = adaptive, 0 = target only")
-    ap.add_argument("--stop", action="append", help="stop string (repeatable)")
-    ap.add_argument("--session-id", help="continue this session")
+    ap.add_argument("--stop", action="append", help="stop before this string (repeatable)")
+    ap.add_argument("--session-id", help="continue this session (kept by an earlier call)")
     ap.add_argument("--keep-session", action="store_true", help="keep the session for a later call")
+    ap.add_argument("--end-session", metavar="ID", help="end this kept session, releasing its caches, and exit "
+                    "(no prompt)")
+    ap.add_argument("--json", action="store_true", help="print the whole response as one JSON object when it "
+                    "is done, instead of streaming the text")
     ap.add_argument("--ca-file", help="CA certificate: connect with TLS")
-    ap.add_argument("--token", help="bearer token for the API")
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--token", default=os.environ.get("SPECDEC_API_TOKEN"),
+                    help="bearer token for the API (default: $SPECDEC_API_TOKEN, which keeps it out of the "
+                    "shell's history)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole call (default %(default)s)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    if args.end_session is not None and args.prompt is not None:
+        ap.error("--end-session takes no prompt")
+    if args.end_session is None and args.prompt is None:
+        ap.error("give a prompt ('-' reads standard input), or --end-session ID")
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
     creds = channel_credentials(args.ca_file)
@@ -61,17 +88,33 @@ def main(argv: list[str] | None = None) -> int:
     stub = pb_grpc.OrchestratorStub(channel)
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
     try:
-        for chunk in stub.GenerateStream(build_request(args), timeout=args.timeout, metadata=metadata):
-            if chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-            if chunk.HasField("stats"):
-                print(f"\n{format_stats(chunk.stats)}\nsession {chunk.session_id}, finish "
-                      f"{pb.FinishReason.Name(chunk.finish_reason)}", file=sys.stderr)
+        if args.end_session is not None:
+            stub.EndSession(pb.EndSessionRequest(session_id=args.end_session), timeout=args.timeout, metadata=metadata)
+            print(f"session {args.end_session} ended", file=sys.stderr)
+        elif args.json:
+            reply = stub.Generate(build_request(args), timeout=args.timeout, metadata=metadata)
+            print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), ensure_ascii=False))
+        else:
+            stream(stub, build_request(args), args.timeout, metadata)
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the call is cancelled as its iterator goes away
+        print("\ncancelled", file=sys.stderr)
+        return 130
+    finally:
+        channel.close()
     return 0
+
+
+def stream(stub, req: pb.GenerateRequest, timeout: float, metadata) -> None:
+    for chunk in stub.GenerateStream(req, timeout=timeout, metadata=metadata):
+        if chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.HasField("stats"):
+            print(f"\n{format_stats(chunk.stats)}\nsession {chunk.session_id}, finish "
+                  f"{pb.FinishReason.Name(chunk.finish_reason)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

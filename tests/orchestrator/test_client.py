@@ -1,0 +1,79 @@
+"""The command-line client, run as a user runs it (`python -m orchestrator.client`) against
+the shared local stack: streamed text and stats, JSON for scripts, a conversation kept,
+continued and ended, and failures as one line with the gRPC status and exit status 1."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import api, request, session_handles
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def client(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.client", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_text_streams_to_stdout_and_the_stats_to_stderr(local_stack):
+    want = api(local_stack.orchestrator_address).Generate(request("def parse(line):\n", 24, 0.0), timeout=60)
+    done = client("def parse(line):\n", "--address", local_stack.orchestrator_address, "--max-new-tokens", "24")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want.text
+    assert re.search(r"\[24 tokens in \d+ ms = [\d.]+ tok/s", done.stderr)
+    assert "finish FINISH_REASON_LENGTH" in done.stderr
+
+
+def test_json_output_and_a_prompt_from_stdin(local_stack):
+    done = client("-", "--address", local_stack.orchestrator_address, "--max-new-tokens", "8", "--json",
+                  "--temperature", "1", "--seed", "5", stdin="import os\n")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert len(reply["token_ids"]) == 8 and reply["stats"]["seed"] == "5"
+    again = json.loads(client("-", "--address", local_stack.orchestrator_address, "--max-new-tokens", "8", "--json",
+                              "--temperature", "1", "--seed", "5", stdin="import os\n").stdout)
+    assert again["token_ids"] == reply["token_ids"]
+
+
+def test_a_conversation_kept_continued_and_ended(local_stack):
+    address = local_stack.orchestrator_address
+    first = client("class Stack:\n", "--address", address, "--max-new-tokens", "8", "--keep-session")
+    assert first.returncode == 0, first.stderr
+    session = re.search(r"session (\S+), finish", first.stderr).group(1)
+    assert session in session_handles(local_stack)
+    second = client("", "--address", address, "--max-new-tokens", "8", "--session-id", session)
+    assert second.returncode == 0, second.stderr
+    ended = client("--end-session", session, "--address", address)
+    assert ended.returncode == 0 and f"session {session} ended" in ended.stderr
+    assert session not in session_handles(local_stack)
+    again = client("--end-session", session, "--address", address)
+    assert again.returncode == 1
+    assert "error: NOT_FOUND:" in again.stderr and "Traceback" not in again.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["x", "--top-p", "2"], "error: INVALID_ARGUMENT: top_p"),
+    (["x", "--address", "127.0.0.1:1", "--timeout", "2"], "error: UNAVAILABLE:"),
+])
+def test_a_failed_call_is_one_line_with_its_status(local_stack, args, words):
+    if "--address" not in args:
+        args = [*args, "--address", local_stack.orchestrator_address]
+    done = client(*args)
+    assert done.returncode == 1
+    assert words in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    ([], "give a prompt ('-' reads standard input), or --end-session ID"),
+    (["x", "--end-session", "abc"], "--end-session takes no prompt"),
+])
+def test_a_usage_error_says_what_is_missing(args, words):
+    done = client(*args)
+    assert done.returncode == 2 and words in done.stderr
