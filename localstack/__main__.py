@@ -76,9 +76,13 @@ def cmd_loadtest(args) -> int:
 def cmd_soak(args) -> int:
     from localstack.soak import passed, soak
 
+    if args.chaos is not None and args.chaos <= 0:
+        raise SystemExit(f"python -m localstack soak: error: --chaos must be a number of seconds above 0, got {args.chaos}")
     with _stack(args) as stack:
-        stack.start()
-        report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens))
+        pool = 2 if args.chaos else 1  # a replica stopped leaves the other of its pool
+        stack.start(drafts=pool, targets=pool)
+        report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens,
+                                  chaos=args.chaos, chaos_signal=args.chaos_signal))
         return 0 if passed(report) else 1
 
 
@@ -106,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--streams", type=int, default=8, help="concurrent clients, one request at a time each (default 8)")
     so.add_argument("--minutes", type=float, default=10.0, help="how long the clients keep sending (default 10)")
     so.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a request asks for (default 64)")
+    so.add_argument("--chaos", type=float, metavar="SECONDS",
+                    help="stop a replica every SECONDS (the pools in turn) and start another in its place; "
+                    "the stack then has two replicas a pool")
+    so.add_argument("--chaos-signal", choices=("kill", "term"), default="kill",
+                    help="how a replica is stopped: kill = SIGKILL (a crash), term = SIGTERM (a graceful drain)")
     for p in (run, demo, lt, so):
         p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     args = ap.parse_args(argv)

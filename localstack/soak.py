@@ -14,10 +14,17 @@ checks what must hold however busy the stack is:
   the same seeded request reproduces its tokens (a mismatch is counted and fails the soak);
 - once the clients stop, no session is left over: no handle in Redis, no cache on a
   replica, beyond what was there before (cancelled and ended sessions included).
+
+With `chaos`, a replica is stopped every `chaos` seconds (SIGKILL, or SIGTERM for a
+graceful drain), the draft and the target pool in turn, and a new one started in its
+place: with two replicas a pool, the clients must see none of it (no error, the same
+tokens), since a session moves to another replica and rebuilds its cache there.
 """
 from __future__ import annotations
 
 import asyncio
+import random
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,6 +46,7 @@ KINDS = ("greedy", "seeded", "stop", "long", "fixed_gamma", "conversation", "can
 SEEDS = 3  # seeded requests reuse this many seeds per prompt, so that each repeats
 WARMUP_SECONDS = 60.0
 SETTLE_SECONDS = 15.0  # how long the leftover check waits for releases still on their way
+CHAOS_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
 
 def resident_mib(pid: int) -> float | None:
@@ -191,8 +199,30 @@ async def leftovers(stack, before: dict[str, int]) -> dict[str, int]:
         await asyncio.sleep(0.5)
 
 
+async def churn(stack, every: float, sig: int, until: float, restarts: list[str]) -> None:
+    """Every `every` seconds until `until`, stop a replica of the draft and the target pool
+    in turn and start a new one in its place, waiting until it serves and has registered."""
+    import redis
+
+    client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
+    rng, kinds = random.Random(0), ["target", "draft"]
+    try:
+        while time.monotonic() + every < until:
+            await asyncio.sleep(every)
+            kind = kinds[len(restarts) % 2]
+            victim = rng.choice([r for r in stack.replicas if r.kind == kind and r.proc.poll() is None])
+            await asyncio.to_thread(stack.kill, victim, sig)
+            stack.replicas.remove(victim)
+            fresh = await asyncio.to_thread(stack.start_replica, kind)
+            while not client.exists(f"specdec:replica:{kind}:{fresh.address}"):
+                await asyncio.sleep(0.1)
+            restarts.append(f"{kind}@{victim.port} → {kind}@{fresh.port}")
+    finally:
+        client.close()
+
+
 async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
-               max_requests: int | None = None) -> dict:
+               max_requests: int | None = None, chaos: float | None = None, chaos_signal: str = "kill") -> dict:
     """Run the soak against `stack` (a started LocalStack, nothing else using it); print
     and return the report."""
     procs = processes(stack)
@@ -217,9 +247,16 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     async with grpc.aio.insecure_channel(stack.orchestrator_address) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         sampler = asyncio.create_task(sample_after_warmup()) if seconds >= WARMUP_SECONDS else None
+        restarts: list[str] = []
+        chaos_task = asyncio.create_task(churn(stack, chaos, CHAOS_SIGNALS[chaos_signal], t_end, restarts)) if chaos else None
         await asyncio.gather(*(client(stub) for _ in range(streams)))
-        if sampler is not None and not sampler.done():
-            sampler.cancel()
+        for task in (sampler, chaos_task):
+            if task is not None and not task.done():
+                task.cancel()
+        if chaos_task is not None:
+            await asyncio.wait([chaos_task])
+            if not chaos_task.cancelled() and chaos_task.exception() is not None:
+                raise chaos_task.exception()
     elapsed = time.monotonic() - t_start
     for name, pid in procs.items():
         memory[name].setdefault("after_first_minute", None)
@@ -232,6 +269,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "cancelled": tally.cancelled, "kinds": dict(tally.kinds),
         "errors": sum(tally.errors.values()), "errors_by_code": dict(tally.errors), "tokens": tally.tokens,
         "mismatches": tally.mismatches, "checked": len(tally.expected), "leftovers": left,
+        "restarts": restarts, "chaos_signal": chaos_signal if chaos else None,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
         "memory_mib": memory,
     }
@@ -258,6 +296,8 @@ def format_report(r: dict) -> str:
              f"tokens    {r['tokens']} ({r['tokens'] / max(r['seconds'], 1e-9):.1f}/s)",
              f"repeats   {r['mismatches']} of the requests that must repeat their tokens did not "
              f"({r['checked']} distinct greedy or seeded requests)",
+             *([f"chaos     {len(r['restarts'])} replicas stopped with SIG{r['chaos_signal'].upper()} and "
+                f"replaced: " + ", ".join(r["restarts"])] if r["chaos_signal"] else []),
              "left over " + (", ".join(f"{name} {n}" for name, n in r["leftovers"].items())
                              if r["leftovers"] else "no session handle or cache beyond those there before"),
              "",

@@ -19,3 +19,21 @@ def test_a_short_soak_through_every_kind_of_request_leaves_nothing_behind(local_
     assert report["cancelled"] >= 1
     # each prompt's greedy requests (adaptive γ, γ = 4, target-only) share one key
     assert report["ok"] - report["checked"] >= 3
+
+
+@pytest.mark.parametrize("chaos_signal", ["kill", "term"])
+def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths, chaos_signal):
+    """Two replicas a pool; one stopped every few seconds (a crash, or a graceful drain),
+    the pools in turn, and a new one started in its place: no error, the same tokens for
+    every repeated greedy or seeded request, and nothing left over."""
+    from tests.stacks import started_stack, stopped
+
+    stack = started_stack(drafts=2, targets=2)
+    try:
+        report = asyncio.run(soak(stack, streams=4, seconds=22, max_new_tokens=24, chaos=5.0,
+                                  chaos_signal=chaos_signal))
+    finally:
+        stopped(stack)
+    assert passed(report), format_report(report)
+    assert len(report["restarts"]) >= 2  # a target and a draft at least
+    assert report["ok"] - report["checked"] >= 10
