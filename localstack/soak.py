@@ -10,8 +10,10 @@ The report counts requests and errors by status code, gives latency percentiles 
 requests and of the first chunk, and each process's resident memory (VmRSS) at the start,
 after the first minute and at the end: after warm-up the memory should stay flat. It also
 checks what must hold however busy the stack is:
-- the same greedy request gives the same tokens every time, whichever γ it ran with, and
-  the same seeded request reproduces its tokens (a mismatch is counted and fails the soak);
+- the same greedy request gives the same tokens every time, whichever γ it ran with (a
+  mismatch fails the soak); a seeded request that does not reproduce its tokens is reported
+  (batch company may round a product's last bits otherwise and move a sample that lies
+  that close to a boundary: README, "Randomness");
 - once the clients stop, no session is left over: no handle in Redis, no cache on a
   replica, beyond what was there before (cancelled and ended sessions included).
 
@@ -117,26 +119,44 @@ class Tally:
         self.kinds: Counter = Counter()
         self.tokens = 0
         self.cancelled = 0
-        self.mismatches = 0
-        self.expected: dict[tuple, list[int]] = {}
+        self.expected: dict[tuple, tuple[list[int], str]] = {}  # key → (tokens, how it ran) of its first answer
+        self.compared: Counter = Counter()  # repeats compared with their first answer, by kind
+        self.differed: dict[str, list[str]] = {"greedy": [], "seeded": []}
 
-    def check(self, req: pb.GenerateRequest, tokens: list[int]) -> None:
+    def check(self, req: pb.GenerateRequest, tokens: list[int], stats: pb.GenerationStats | None) -> None:
         key = consistency_key(req)
         if key is None:
             return
-        want = self.expected.setdefault(key, tokens)
+        kind = "greedy" if req.temperature == 0 else "seeded"
+        ran = how_it_ran(stats)
+        if key not in self.expected:
+            self.expected[key] = (tokens, ran)
+            return
+        want, want_ran = self.expected[key]
+        self.compared[kind] += 1
         if tokens != want:
-            self.mismatches += 1
+            at = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+            gamma = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else "adaptive"
+            self.differed[kind].append(
+                f"{kind}, γ {gamma}, a prompt of {len(req.prompt)} characters: tokens differ from token {at} "
+                f"of {len(want)}; this request: {ran}; the first: {want_ran}")
+
+
+def how_it_ran(stats: pb.GenerationStats | None) -> str:
+    if stats is None:
+        return "no stats"
+    return (f"{stats.rounds} rounds, {stats.drafted_tokens} drafted, {stats.replica_failovers} failovers, "
+            f"draft {stats.draft_replica or '-'}, target {stats.target_replica}")
 
 
 async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: float,
                       cancel_after_first: bool = False) -> str | None:
     """One GenerateStream; → its session id (None when it failed or was cancelled)."""
-    t0, first, tokens, session = time.perf_counter(), None, [], None
+    t0, first, tokens, session, last = time.perf_counter(), None, [], None, None
     call = stub.GenerateStream(req, timeout=timeout)
     try:
         async for chunk in call:
-            session = chunk.session_id or session
+            session, last = chunk.session_id or session, chunk
             if first is None and chunk.token_ids:
                 first = time.perf_counter() - t0
                 if cancel_after_first:
@@ -153,7 +173,7 @@ async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: floa
     if first is not None:
         tally.first_chunk.append(first)
     tally.tokens += len(tokens)
-    tally.check(req, tokens)
+    tally.check(req, tokens, last.stats if last is not None else None)
     return session
 
 
@@ -268,7 +288,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "requests": len(tally.latency) + sum(tally.errors.values()) + tally.cancelled, "ok": len(tally.latency),
         "cancelled": tally.cancelled, "kinds": dict(tally.kinds),
         "errors": sum(tally.errors.values()), "errors_by_code": dict(tally.errors), "tokens": tally.tokens,
-        "mismatches": tally.mismatches, "checked": len(tally.expected), "leftovers": left,
+        "compared": dict(tally.compared), "differed": tally.differed, "leftovers": left,
         "restarts": restarts, "chaos_signal": chaos_signal if chaos else None,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
         "memory_mib": memory,
@@ -278,7 +298,10 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
 
 
 def passed(report: dict) -> bool:
-    return report["errors"] == 0 and report["mismatches"] == 0 and not report["leftovers"]
+    """No error, no greedy repeat with other tokens, no session left over. A seeded repeat
+    that differs is reported, not failed: batch company may round a product's last bits
+    otherwise and move a sample that lies that close to a boundary (README, "Randomness")."""
+    return report["errors"] == 0 and not report["differed"]["greedy"] and not report["leftovers"]
 
 
 def format_report(r: dict) -> str:
@@ -294,8 +317,10 @@ def format_report(r: dict) -> str:
              + (f" {r['errors_by_code']}" if r["errors"] else ""),
              "by kind   " + ", ".join(f"{k} {n}" for k, n in r["kinds"].items()),
              f"tokens    {r['tokens']} ({r['tokens'] / max(r['seconds'], 1e-9):.1f}/s)",
-             f"repeats   {r['mismatches']} of the requests that must repeat their tokens did not "
-             f"({r['checked']} distinct greedy or seeded requests)",
+             f"repeats   greedy: {len(r['differed']['greedy'])} of {r['compared'].get('greedy', 0)} with other "
+             f"tokens; seeded: {len(r['differed']['seeded'])} of {r['compared'].get('seeded', 0)} (a seeded "
+             "sample may move with its batch company)",
+             *(f"          {m}" for kind in ("greedy", "seeded") for m in r["differed"][kind][:5]),
              *([f"chaos     {len(r['restarts'])} replicas stopped with SIG{r['chaos_signal'].upper()} and "
                 f"replaced: " + ", ".join(r["restarts"])] if r["chaos_signal"] else []),
              "left over " + (", ".join(f"{name} {n}" for name, n in r["leftovers"].items())

@@ -78,16 +78,19 @@ class PreDrafter:
         the main pre-draft when the round is likely to be accepted in full with the bonus
         guessed right, forks (`_likely_forks`) on the likely rejections; otherwise it is
         draft work thrown away, which also slows the verification it runs beside on
-        shared cores."""
+        shared cores.
+
+        Not for a seeded sampled session: the γ of a round drafted ahead is chosen a round
+        earlier, before the verdict it follows is known, so whether a pre-draft is made and
+        used moves where the session's rounds end, and with them its tokens, which must
+        reproduce. And that turns on what no request controls: whether pre-drafts pay for
+        the other sessions (`CostModel.predraft_pays`), or a draft replica failing while one
+        runs (a pre-draft gets one attempt)."""
         policy = gen.policy
-        if not (self.enabled and policy.fixed is None and gamma > 0 and gen.handle.draft_replica
-                and gen.speculating and self.waits.ready(gen)):
+        if not (self.enabled and policy.fixed is None and not policy.deterministic and gamma > 0
+                and gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)):
             return None
-        main = policy.predraft_hit(gamma) >= self.min_hit
-        if main and not self.costs.predraft_pays(policy.greedy, self.min_use):
-            metrics.OVERLAP.labels("skipped").inc()
-            main = False
-        forks = self._likely_forks(gen, gamma)
+        main, forks = self.wanted(gen, gamma)
         if not (main or forks):
             return None
         want = policy.choose(self.costs)  # one choice a round: choose counts the rounds it makes
@@ -108,6 +111,15 @@ class PreDrafter:
                 ahead.forks[j] = (gen.runner_ups[j], base, task)
                 metrics.OVERLAP.labels("fork").inc()
         return ahead if ahead.tasks() else None
+
+    def wanted(self, gen: Generation, gamma: int) -> tuple[bool, list[int]]:
+        """→ (whether to pre-draft the main line, the forks' kept lengths)."""
+        policy = gen.policy
+        main = policy.predraft_hit(gamma) >= self.min_hit
+        if main and not self.costs.predraft_pays(policy.greedy, self.min_use):
+            metrics.OVERLAP.labels("skipped").inc()
+            main = False
+        return main, self._likely_forks(gen, gamma)
 
     def forks_wanted(self, gen: Generation) -> bool:
         """Whether this session pre-drafts forks: greedy (a fork's guess is the draft's

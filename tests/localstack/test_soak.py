@@ -1,6 +1,6 @@
 """The soak's own run, short: every kind of request it mixes goes through a real stack,
-with no error, the greedy and seeded requests repeat their tokens (whatever γ a greedy one
-ran with), and no session handle or cache is left once the clients stop."""
+with no error, the greedy requests repeat their tokens whatever γ they ran with, and no
+session handle or cache is left once the clients stop."""
 from __future__ import annotations
 
 import asyncio
@@ -18,14 +18,14 @@ def test_a_short_soak_through_every_kind_of_request_leaves_nothing_behind(local_
     assert report["kinds"] == {kind: 3 for kind in KINDS}
     assert report["cancelled"] >= 1
     # each prompt's greedy requests (adaptive γ, γ = 4, target-only) share one key
-    assert report["ok"] - report["checked"] >= 3
+    assert report["compared"]["greedy"] >= 6
 
 
 @pytest.mark.parametrize("chaos_signal", ["kill", "term"])
 def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths, chaos_signal):
     """Two replicas a pool; one stopped every few seconds (a crash, or a graceful drain),
     the pools in turn, and a new one started in its place: no error, the same tokens for
-    every repeated greedy or seeded request, and nothing left over."""
+    every repeated greedy request, and nothing left over."""
     from tests.stacks import started_stack, stopped
 
     stack = started_stack(drafts=2, targets=2)
@@ -36,4 +36,4 @@ def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_path
         stopped(stack)
     assert passed(report), format_report(report)
     assert len(report["restarts"]) >= 2  # a target and a draft at least
-    assert report["ok"] - report["checked"] >= 10
+    assert report["compared"]["greedy"] >= 20

@@ -1,0 +1,45 @@
+"""When the orchestrator pre-drafts (PreDrafter.start and .wanted): a decision made from
+the session's policy and the shared cost model, before any call."""
+from orchestrator.draft_waits import DraftWaits
+from orchestrator.gamma_policy import CostModel, SessionPolicy
+from orchestrator.loop_state import Generation, Stats
+from orchestrator.predraft import PreDrafter
+from specdec.session_store import SessionHandle
+
+
+def generation(deterministic: bool, greedy: bool = False) -> Generation:
+    handle = SessionHandle("s", "draft-a:1", "target-a:1", 1, list(range(12)))
+    policy = SessionPolicy(deterministic=deterministic, greedy=greedy)
+    policy.accepted, policy.trials, policy.guessed, policy.guesses = 19.0, 20.0, 9.0, 10.0  # a pre-draft very likely used
+    return Generation(handle, None, None, Stats(), policy, None, None, 0.0, 12, 0.0)
+
+
+def predrafter(costs: CostModel) -> PreDrafter:
+    return PreDrafter(costs, DraftWaits(0.25), lambda deadline: 30.0, max_len=2048, calls="frames")
+
+
+def loaded_with_unused_predrafts() -> CostModel:
+    """The other sessions share the target's batches and use few of their pre-drafts."""
+    costs = CostModel()
+    for _ in range(50):
+        costs.batch.update(8.0)
+    for _ in range(40):
+        costs.observe_predraft(False, False)
+    assert not costs.alone
+    return costs
+
+
+def test_an_adaptive_session_pre_drafts_while_it_is_likely_to_pay():
+    assert predrafter(CostModel()).wanted(generation(deterministic=False), gamma=4) == (True, [])
+
+
+def test_pre_drafts_that_others_did_not_use_under_load_stop_an_unseeded_session():
+    drafter = predrafter(loaded_with_unused_predrafts())
+    assert drafter.wanted(generation(deterministic=False), gamma=4)[0] is False
+
+
+def test_a_seeded_sampled_session_never_pre_drafts():
+    """Whether a pre-draft is made and used moves where a session's rounds end; a seeded
+    session's must not turn on the other sessions or on a replica failing mid-call."""
+    for costs in (CostModel(), loaded_with_unused_predrafts()):
+        assert predrafter(costs).start(generation(deterministic=True), [1, 2, 3, 4], 4, 32, 12) is None
