@@ -13,7 +13,7 @@ checks what must hold however busy the stack is:
 - the same greedy request gives the same tokens every time, whichever γ it ran with (a
   mismatch fails the soak); a seeded request that does not reproduce its tokens is reported
   (batch company may round a product's last bits otherwise and move a sample that lies
-  that close to a boundary: README, "Randomness");
+  that close to a boundary: README: "Randomness is counter-based");
 - once the clients stop, no session is left over: no handle in Redis, no cache on a
   replica, beyond what was there before (cancelled and ended sessions included).
 
@@ -300,7 +300,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
 def passed(report: dict) -> bool:
     """No error, no greedy repeat with other tokens, no session left over. A seeded repeat
     that differs is reported, not failed: batch company may round a product's last bits
-    otherwise and move a sample that lies that close to a boundary (README, "Randomness")."""
+    otherwise and move a sample that lies that close to a boundary (README: "Randomness is counter-based")."""
     return report["errors"] == 0 and not report["differed"]["greedy"] and not report["leftovers"]
 
 
