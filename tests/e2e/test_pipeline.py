@@ -136,7 +136,8 @@ def test_replicas_are_in_the_registry(local_stack):
 
 def test_overlapped_drafting_keeps_the_output_exact(local_stack, target_model, tokenizer, heldout_prompts):
     """An orchestrator that pre-drafts every round (--overlap-min-hit 0): greedy output is
-    still the target's own, seeded sampling still reproducible, and pre-drafts were used."""
+    still the target's own, pre-drafts were used, greedy and at temperature 1, and a seeded
+    sampled request, which never pre-drafts (orchestrator/predraft.py), reproduces."""
     eager = local_stack.start_orchestrator(extra=["--overlap-min-hit", "0"])
     try:
         stub = api(eager.address)
@@ -151,9 +152,11 @@ def test_overlapped_drafting_keeps_the_output_exact(local_stack, target_model, t
         a = stub.Generate(request("def run(self):\n", 40, 1.0, seed=77), timeout=120)
         b = stub.Generate(request("def run(self):\n", 40, 1.0, seed=77), timeout=120)
         assert list(a.token_ids) == list(b.token_ids)
+        assert a.stats.overlap_hits == b.stats.overlap_hits == 0
         # at temperature 1 the draft guesses the bonus under the target's own noise
         # (sampling.bonus_guess_rows), so pre-drafts get used there too
-        assert a.stats.overlap_hits > 0
+        sampled = [stub.Generate(request(p, 40, 1.0), timeout=120) for p in heldout_prompts[6:10]]
+        assert sum(r.stats.overlap_hits for r in sampled) > 0
     finally:
         local_stack.kill(eager, sig=15)
         local_stack.orchestrators.remove(eager)
