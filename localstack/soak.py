@@ -204,7 +204,11 @@ async def sessions_held(stack) -> dict[str, int]:
             continue
         async with grpc.aio.insecure_channel(rep.address) as channel:
             stub = (replica_pb2_grpc.DraftStub if rep.kind == "draft" else replica_pb2_grpc.TargetStub)(channel)
-            held[f"{rep.kind}@{rep.port}"] = (await stub.Load(replica_pb2.LoadRequest(), timeout=10)).sessions
+            try:
+                held[f"{rep.kind}@{rep.port}"] = (await stub.Load(replica_pb2.LoadRequest(), timeout=10)).sessions
+            except grpc.aio.AioRpcError:
+                if rep.proc.poll() is None:  # a replica that runs must answer
+                    raise
     return held
 
 
@@ -219,16 +223,22 @@ async def leftovers(stack, before: dict[str, int]) -> dict[str, int]:
         await asyncio.sleep(0.5)
 
 
-async def churn(stack, every: float, sig: int, until: float, restarts: list[str]) -> None:
-    """Every `every` seconds until `until`, stop a replica of the draft and the target pool
-    in turn and start a new one in its place, waiting until it serves and has registered."""
+async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: list[str]) -> None:
+    """Every `every` seconds until `stop` is set, stop a replica of the draft and the target
+    pool in turn and start a new one in its place, waiting until it serves and has
+    registered. A restart under way when `stop` is set is finished, not cut short, so that
+    the stack's list of replicas is whole when the soak takes its count."""
     import redis
 
     client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
     rng, kinds = random.Random(0), ["target", "draft"]
     try:
-        while time.monotonic() + every < until:
-            await asyncio.sleep(every)
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=every)
+                return
+            except asyncio.TimeoutError:
+                pass
             kind = kinds[len(restarts) % 2]
             victim = rng.choice([r for r in stack.replicas if r.kind == kind and r.proc.poll() is None])
             await asyncio.to_thread(stack.kill, victim, sig)
@@ -268,15 +278,15 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         stub = pb_grpc.OrchestratorStub(channel)
         sampler = asyncio.create_task(sample_after_warmup()) if seconds >= WARMUP_SECONDS else None
         restarts: list[str] = []
-        chaos_task = asyncio.create_task(churn(stack, chaos, CHAOS_SIGNALS[chaos_signal], t_end, restarts)) if chaos else None
+        stop_chaos = asyncio.Event()
+        chaos_task = (asyncio.create_task(churn(stack, chaos, CHAOS_SIGNALS[chaos_signal], stop_chaos, restarts))
+                      if chaos else None)
         await asyncio.gather(*(client(stub) for _ in range(streams)))
-        for task in (sampler, chaos_task):
-            if task is not None and not task.done():
-                task.cancel()
+        if sampler is not None and not sampler.done():
+            sampler.cancel()
         if chaos_task is not None:
-            await asyncio.wait([chaos_task])
-            if not chaos_task.cancelled() and chaos_task.exception() is not None:
-                raise chaos_task.exception()
+            stop_chaos.set()
+            await chaos_task  # a restart under way finishes first
     elapsed = time.monotonic() - t_start
     for name, pid in procs.items():
         memory[name].setdefault("after_first_minute", None)

@@ -30,7 +30,7 @@ def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_path
 
     stack = started_stack(drafts=2, targets=2)
     try:
-        report = asyncio.run(soak(stack, streams=4, seconds=22, max_new_tokens=24, chaos=5.0,
+        report = asyncio.run(soak(stack, streams=4, seconds=30, max_new_tokens=24, chaos=4.0,
                                   chaos_signal=chaos_signal))
     finally:
         stopped(stack)
