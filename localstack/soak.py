@@ -35,6 +35,7 @@ import grpc
 import redis
 
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
+from specdec.registry import PREFIX as REPLICA_PREFIX
 from specdec.session_store import PREFIX
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -244,7 +245,7 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
             await asyncio.to_thread(stack.kill, victim, sig)
             stack.replicas.remove(victim)
             fresh = await asyncio.to_thread(stack.start_replica, kind)
-            while not client.exists(f"specdec:replica:{kind}:{fresh.address}"):
+            while not client.exists(f"{REPLICA_PREFIX}{kind}:{fresh.address}"):
                 await asyncio.sleep(0.1)
             restarts.append(f"{kind}@{victim.port} → {kind}@{fresh.port}")
     finally:

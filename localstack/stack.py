@@ -197,8 +197,7 @@ class LocalStack:
         except redis.RedisError as exc:
             lines.append(f"redis: {exc}")
         for rep in self.replicas + self.orchestrators:
-            log = self.workdir / f"{rep.kind}-{rep.port}.log"
-            tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else ["(no log)"]
+            tail = self.log_tail(rep, 12) or ["(no log)"]
             state = "running" if rep.proc.poll() is None else f"exited {rep.proc.returncode}"
             lines += [f"--- {rep.kind} on {rep.port} ({state}):", *tail]
         return "\n".join(lines)
@@ -248,10 +247,18 @@ class LocalStack:
     def _report_kill(self, rep: Replica, lines: int = 40) -> None:
         """A server that had to be killed says so, with the end of its log: a stop that
         hangs writes there where it hangs (specdec/grpc_server.watch_stop)."""
-        path = self.workdir / f"{rep.kind}-{rep.port}.log"
-        tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
         print(f"localstack: {rep.kind} {rep.address} did not exit within {STOP_WAIT_S:.0f}s of SIGTERM and was "
-              f"killed; the end of its log ({path}):", *tail, sep="\n", file=sys.stderr)
+              f"killed; the end of its log ({self.log_path(rep)}):", *self.log_tail(rep, lines), sep="\n",
+              file=sys.stderr)
+
+    def log_path(self, rep: Replica) -> Path:
+        """Where a server's output goes while the stack is quiet (`_spawn`)."""
+        return self.workdir / f"{rep.kind}-{rep.port}.log"
+
+    def log_tail(self, rep: Replica, lines: int) -> list[str]:
+        """The last lines of a server's log; none where it has no log."""
+        path = self.log_path(rep)
+        return path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
 
     def __enter__(self) -> "LocalStack":
         return self
