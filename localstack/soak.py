@@ -117,12 +117,17 @@ class Tally:
         self.latency: list[float] = []
         self.first_chunk: list[float] = []
         self.errors: Counter = Counter()
+        self.first_error: dict[str, str] = {}  # by status: the first one's message, to say what failed
         self.kinds: Counter = Counter()
         self.tokens = 0
         self.cancelled = 0
         self.expected: dict[tuple, tuple[list[int], str]] = {}  # key → (tokens, how it ran) of its first answer
         self.compared: Counter = Counter()  # repeats compared with their first answer, by kind
         self.differed: dict[str, list[str]] = {"greedy": [], "seeded": []}
+
+    def fail(self, what: str, exc: grpc.aio.AioRpcError) -> None:
+        self.errors[what] += 1
+        self.first_error.setdefault(what, exc.details())
 
     def check(self, req: pb.GenerateRequest, tokens: list[int], stats: pb.GenerationStats | None) -> None:
         key = consistency_key(req)
@@ -168,7 +173,7 @@ async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: floa
     except asyncio.CancelledError:
         raise
     except grpc.aio.AioRpcError as exc:
-        tally.errors[exc.code().name] += 1
+        tally.fail(exc.code().name, exc)
         return None
     tally.latency.append(time.perf_counter() - t0)
     if first is not None:
@@ -190,7 +195,7 @@ async def one_request(stub, i: int, max_new_tokens: int, tally: Tally, timeout: 
     try:
         await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
     except grpc.aio.AioRpcError as exc:
-        tally.errors[f"EndSession {exc.code().name}"] += 1
+        tally.fail(f"EndSession {exc.code().name}", exc)
 
 
 async def sessions_held(stack) -> dict[str, int]:
@@ -298,7 +303,8 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "streams": streams, "seconds": round(elapsed, 1), "max_new_tokens": max_new_tokens,
         "requests": len(tally.latency) + sum(tally.errors.values()) + tally.cancelled, "ok": len(tally.latency),
         "cancelled": tally.cancelled, "kinds": dict(tally.kinds),
-        "errors": sum(tally.errors.values()), "errors_by_code": dict(tally.errors), "tokens": tally.tokens,
+        "errors": sum(tally.errors.values()), "errors_by_code": dict(tally.errors),
+        "first_errors": tally.first_error, "tokens": tally.tokens,
         "compared": dict(tally.compared), "differed": tally.differed, "leftovers": left,
         "restarts": restarts, "chaos_signal": chaos_signal if chaos else None,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
@@ -326,6 +332,7 @@ def format_report(r: dict) -> str:
              f"requests  {r['requests']} ({r['requests'] / max(r['seconds'], 1e-9):.2f}/s), "
              f"ok {r['ok']}, cancelled by the client {r['cancelled']}, errors {r['errors']}"
              + (f" {r['errors_by_code']}" if r["errors"] else ""),
+             *(f"          the first {code}: {message}" for code, message in r["first_errors"].items()),
              "by kind   " + ", ".join(f"{k} {n}" for k, n in r["kinds"].items()),
              f"tokens    {r['tokens']} ({r['tokens'] / max(r['seconds'], 1e-9):.1f}/s)",
              f"repeats   greedy: {len(r['differed']['greedy'])} of {r['compared'].get('greedy', 0)} with other "
