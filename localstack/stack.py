@@ -182,25 +182,26 @@ class LocalStack:
         raise TimeoutError(f"replicas did not register in Redis ({drafts} draft, {targets} target expected, "
                            f"{d} and {t} registered)\n{self.diagnostics(client)}")
 
-    def diagnostics(self, client=None) -> str:
-        """What a stack that did not come up shows: whether Redis takes writes (an AOF it
-        cannot write refuses them while reads go on) and the last lines of each server's log."""
+    def diagnostics(self, client=None, lines: int = 12) -> str:
+        """What a stack that did not come up, or failed a test, shows: whether Redis takes
+        writes (an AOF it cannot write refuses them while reads go on) and the last `lines`
+        lines of each server's log."""
         import redis
 
         client = client or redis.Redis(port=self.redis_port, password=self.redis_password)
-        lines = []
+        out = []
         try:
             info = client.info("persistence")
-            lines.append("redis: aof_last_write_status=%s aof_last_bgrewrite_status=%s"
+            out.append("redis: aof_last_write_status=%s aof_last_bgrewrite_status=%s"
                          % (info.get("aof_last_write_status"), info.get("aof_last_bgrewrite_status")))
             client.set("specdec:stack:probe", "1", px=1000)
         except redis.RedisError as exc:
-            lines.append(f"redis: {exc}")
+            out.append(f"redis: {exc}")
         for rep in self.replicas + self.orchestrators:
-            tail = self.log_tail(rep, 12) or ["(no log)"]
+            tail = self.log_tail(rep, lines) or ["(no log)"]
             state = "running" if rep.proc.poll() is None else f"exited {rep.proc.returncode}"
-            lines += [f"--- {rep.kind} on {rep.port} ({state}):", *tail]
-        return "\n".join(lines)
+            out += [f"--- {rep.kind} on {rep.port} ({state}):", *tail]
+        return "\n".join(out)
 
     def wait_all(self, drafts: int, targets: int) -> None:
         """Every process started with wait=False serving, and the replicas registered. An

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import io
 import logging
 import os
 import signal
@@ -140,10 +139,31 @@ def watch_stop(grace: float, slack: float = STOP_SLACK_S) -> Callable[[], None]:
 
 def _log_pending_tasks(after: float) -> None:
     for task in asyncio.all_tasks():
-        stack = io.StringIO()
-        task.print_stack(file=stack)
-        log.warning("the stop has run %.1fs and still waits on task %s:\n%s", after, task.get_name(),
-                    stack.getvalue().rstrip())
+        try:
+            where = "\n".join(awaiting(task))
+        except Exception as exc:  # a dump that fails must not hide the other tasks
+            where = f"  (its stack could not be read: {exc!r})"
+        log.warning("the stop has run %.1fs and still waits on task %s:\n%s", after, task.get_name(), where)
+
+
+def awaiting(task: asyncio.Task, depth: int = 64) -> list[str]:
+    """Where a suspended task waits: every coroutine of its await chain at its line, the
+    outermost first, then what the innermost one awaits. asyncio's `Task.print_stack` shows
+    the outermost coroutine only (a suspended coroutine's frame has no caller), and under
+    uvloop it failed on a frame without a line number."""
+    lines, link = [], task.get_coro()
+    for _ in range(depth):
+        frame = next((f for f in (getattr(link, a, None) for a in ("cr_frame", "ag_frame", "gi_frame")) if f), None)
+        if frame is None:
+            lines.append(f"  awaiting {link!r}"[:300])
+            break
+        code = frame.f_code
+        lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}')
+        link = next((n for n in (getattr(link, a, None) for a in ("cr_await", "ag_await", "gi_yieldfrom"))
+                     if n is not None), None)
+        if link is None:
+            break
+    return lines
 
 
 async def _maybe_await(value):

@@ -34,8 +34,10 @@ def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_path
     try:
         report = asyncio.run(soak(stack, streams=4, seconds=30, max_new_tokens=24, chaos=4.0,
                                   chaos_signal=chaos_signal))
+        # the servers' logs go with a failure: the stack's files are gone once it stops
+        diagnosis = "" if passed(report) else stack.diagnostics(lines=60)
     finally:
         stopped(stack)
-    assert passed(report), format_report(report)
+    assert passed(report), format_report(report) + "\n" + diagnosis
     assert len(report["restarts"]) >= 2  # a target and a draft at least
     assert report["compared"]["greedy"] >= 20
