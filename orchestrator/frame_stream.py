@@ -33,10 +33,12 @@ class FrameStream:
 
     async def _connect(self, host, port, method, ssl_context, server_name):
         where = f"{self.name}'s frame link (port {port})"
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation (the link's
+        # `cancel`) that lands as the connection opens, which would leave it open unowned
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(
-                host, port, ssl=ssl_context, server_hostname=(server_name or host) if ssl_context else None),
-                CONNECT_TIMEOUT_S)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(
+                    host, port, ssl=ssl_context, server_hostname=(server_name or host) if ssl_context else None)
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot reach {where}: {exc or 'timed out'}") from None
         self._writer = writer
@@ -44,7 +46,8 @@ class FrameStream:
         try:
             writer.write(hello(method))
             await writer.drain()
-            code, details = parse_status(await asyncio.wait_for(read_frame(reader, limit=4096), CONNECT_TIMEOUT_S))
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                code, details = parse_status(await read_frame(reader, limit=4096))
         except (OSError, ssl.SSLError, FrameError, asyncio.TimeoutError) as exc:
             writer.close()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{where} failed at hello: {exc or 'timed out'}") from None

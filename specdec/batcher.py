@@ -117,9 +117,10 @@ class MicroBatcher(Generic[Job, Result]):
             if left <= 0:
                 break
             self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), min(self.quiet, left))
-            except asyncio.TimeoutError:  # a quiet slice: only the due are worth more time
+            try:  # not asyncio.wait_for: on Python 3.11 it drops a cancellation that lands with the event
+                async with asyncio.timeout(min(self.quiet, left)):
+                    await self._wakeup.wait()
+            except TimeoutError:  # a quiet slice: only the due are worth more time
                 if not self._due(expected, loop.time(), deadline) - queued:
                     break
             queued = {self.key(job) for job, _ in self._queue}
@@ -177,10 +178,13 @@ class MicroBatcher(Generic[Job, Result]):
             self._away = {k: a for k, a in self._away.items() if k in keep}
 
     async def stop(self) -> None:
-        if self._worker:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except asyncio.CancelledError:
-                pass
+        """End the worker, then the engine thread. The worker is cancelled until it has
+        ended, and a cancellation of the stop itself is not swallowed: a stop that cancelled
+        once and then awaited the worker, catching CancelledError, hung a draining replica
+        for good when the cancellation was dropped (asyncio.wait_for on Python 3.11, which
+        `_hold` used), and would have hidden its own caller's cancellation."""
+        worker = self._worker
+        while worker is not None and not worker.done():
+            worker.cancel()
+            await asyncio.wait([worker], timeout=0.1)
         self._executor.shutdown(wait=True)

@@ -76,8 +76,11 @@ def hello(method: str) -> bytes:
 
 
 async def read_hello(reader: asyncio.StreamReader) -> str:
-    """The method a new connection asks for."""
-    payload = await asyncio.wait_for(read_frame(reader, limit=256), HELLO_TIMEOUT_S)
+    """The method a new connection asks for. (asyncio.timeout, not wait_for: on Python 3.11
+    wait_for drops a cancellation that lands as its read completes, and a stopping server's
+    cancellation must end the connection.)"""
+    async with asyncio.timeout(HELLO_TIMEOUT_S):
+        payload = await read_frame(reader, limit=256)
     if payload is None or not payload.startswith(MAGIC):
         raise FrameError("not a frame-link hello (expected a client of protocol " + MAGIC.decode() + ")")
     return payload[len(MAGIC):].decode(errors="replace")

@@ -129,3 +129,29 @@ def test_small_batches_run_on_the_loop_thread_and_big_ones_on_the_worker():
     loop_thread, worker = run(main())
     assert loop_thread == threading.main_thread().name
     assert worker.startswith("engine")
+
+
+def test_a_stop_that_lands_with_a_new_call_still_stops():
+    """A batch held for company is waiting on the wake-up event when the replica stops, and
+    a call arrives in the same turn as the stop's cancellation. Python 3.11's
+    asyncio.wait_for returned the event's result there and dropped the cancellation, so the
+    worker went on and `stop` waited for it for ever: a target replica hung in its drain."""
+    async def main():
+        rec = Recorder()
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=60_000, gather=1e6, quiet_ms=60_000)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))  # one batch of both
+        held = asyncio.ensure_future(batcher.submit("a1"))  # held for b
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        loop = asyncio.get_running_loop()
+        batcher._queue.append(("b1", loop.create_future()))  # b's call, as submit queues it
+        batcher._wakeup.set()
+        t0 = loop.time()
+        async with asyncio.timeout(2):  # a stop that hangs is cut short here ...
+            await batcher.stop()  # ... which cancels in this same turn
+        assert batcher._worker.done()
+        assert loop.time() - t0 < 1.5  # ... and would not return before then
+        held.cancel()
+
+    run(main())
