@@ -2,7 +2,8 @@
 
 A new session goes to the least-loaded live replica of each pool (load from the
 registry, plus the sessions this process placed since the last heartbeat) and sticks
-there. A replica whose calls fail is avoided at once, before its registry entry expires.
+there. A replica whose calls fail is avoided at once, before its registry entry expires,
+unless every replica of its pool is avoided.
 """
 from __future__ import annotations
 
@@ -125,7 +126,12 @@ class PoolClients:
             self._live_cache[kind] = (now, replicas)
             self._placed = {}
             self._frame_ports.update((r.address, r.frame_port) for r in replicas)
-        return [r for r in replicas if not self.is_down(r.address)]
+        # with every registered replica marked down, all of them rather than none: one failed
+        # call marks its replica down for avoid_seconds, and a failure may say more about the
+        # call than the replica (its deadline, one session's state); a whole pool avoided would
+        # fail every new session at once until the marks expire, while a replica that is really
+        # gone leaves the registry by itself (it deregisters, or its entry expires)
+        return [r for r in replicas if not self.is_down(r.address)] or replicas
 
     async def pick(self, kind: str, exclude: set[str] = frozenset()) -> str | None:
         """Least-loaded live replica of the pool, or None if the pool is empty."""

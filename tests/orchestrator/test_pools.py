@@ -1,0 +1,68 @@
+"""Routing over a real registry in a real redis-server: a replica whose call failed is
+avoided while another can serve, and a pool whose every replica is avoided is tried again
+rather than refusing every new session."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from orchestrator.pools import PoolClients
+from specdec.errors import Unavailable
+from specdec.registry import Registry, ReplicaInfo
+
+A, B = "127.0.0.1:1", "127.0.0.1:2"
+
+
+async def pools_over(redis_url: str, *addresses: str) -> tuple[PoolClients, aioredis.Redis]:
+    client = aioredis.from_url(redis_url)
+    registry = Registry(client, ttl_seconds=30)
+    for address in addresses:
+        await registry.register(ReplicaInfo(address, "target", capacity=8))
+    return PoolClients(registry, registry_cache_seconds=0), client
+
+
+def test_a_replica_marked_down_is_avoided_while_another_serves(redis_server):
+    async def go():
+        pools, client = await pools_over(redis_server.url, A, B)
+        try:
+            pools.mark_down(A)
+            return {await pools.pick("target") for _ in range(4)}
+        finally:
+            await pools.close()
+            await client.aclose()
+
+    assert asyncio.run(go()) == {B}
+
+
+def test_a_pool_whose_every_replica_is_marked_down_is_tried_again(redis_server):
+    """One failed call marks its replica down for 10 s. Before, with both replicas of the
+    pool so marked, every new session failed UNAVAILABLE at once until a mark expired,
+    although both were registered and heartbeating."""
+    async def go():
+        pools, client = await pools_over(redis_server.url, A, B)
+        try:
+            pools.mark_down(A)
+            pools.mark_down(B)
+            assert pools.is_down(A) and pools.is_down(B)
+            return {await pools.require("target") for _ in range(4)}
+        finally:
+            await pools.close()
+            await client.aclose()
+
+    picked = asyncio.run(go())
+    assert picked and picked <= {A, B}
+
+
+def test_an_empty_pool_is_unavailable_with_what_to_do(redis_server):
+    async def go():
+        pools, client = await pools_over(redis_server.url)
+        try:
+            with pytest.raises(Unavailable, match="no live target replica is registered in pool 'target'"):
+                await pools.require("target")
+        finally:
+            await pools.close()
+            await client.aclose()
+
+    asyncio.run(go())
