@@ -27,6 +27,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Generic, Hashable, TypeVar
 
+from specdec.task_end import end_task
+
 Job = TypeVar("Job")
 Result = TypeVar("Result")
 
@@ -178,13 +180,7 @@ class MicroBatcher(Generic[Job, Result]):
             self._away = {k: a for k, a in self._away.items() if k in keep}
 
     async def stop(self) -> None:
-        """End the worker, then the engine thread. The worker is cancelled until it has
-        ended, and a cancellation of the stop itself is not swallowed: a stop that cancelled
-        once and then awaited the worker, catching CancelledError, hung a draining replica
-        for good when the cancellation was dropped (asyncio.wait_for on Python 3.11, which
-        `_hold` used), and would have hidden its own caller's cancellation."""
-        worker = self._worker
-        while worker is not None and not worker.done():
-            worker.cancel()
-            await asyncio.wait([worker], timeout=0.1)
+        """End the worker (specdec.task_end: a stop that cancelled it once and then awaited
+        it hung a draining replica for good), then the engine thread."""
+        await end_task(self._worker)
         self._executor.shutdown(wait=True)

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from specdec.errors import Unavailable
+from specdec.task_end import end_task
 
 log = logging.getLogger(__name__)
 PREFIX = "specdec:replica:"
@@ -119,12 +120,10 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        """Stop heartbeating, then deregister. The task is ended for sure
+        (specdec.task_end): one whose cancellation was dropped inside a Redis write would
+        go on registering a replica that refuses every call."""
+        await end_task(self._task)
         info = self.report()
         try:
             await self.registry.deregister(info.pool, info.address)
