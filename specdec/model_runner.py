@@ -187,7 +187,7 @@ class ModelRunner:
         self._whole = self._whole_model() if whole_forward else None
         # fixed from here on: the start-up log and every heartbeat's registry entry show it
         self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}" + \
-            (f"; weights {quantize}" if quantize != "none" else "")
+            ("; batch-invariant" if self.batch_invariant else "") + (f"; weights {quantize}" if quantize != "none" else "")
 
     def _layer(self, layer, column_major: bool) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp
@@ -273,6 +273,15 @@ class ModelRunner:
     @property
     def attention(self) -> str:
         return "sdpa" if self._packed_attention is None else "native"
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a session's logits are the same bits whatever else its forward holds (other
+        sessions, the rest of a prompt's chunk): the compact products at every row count,
+        which compute each row alone in one order, and native attention, which attends each
+        query alone. Elsewhere a product's last bits move with its row count (MKL and
+        oneDNN pick their kernels by shape) and SDPA's with the queries it takes together."""
+        return self.kernels.used() == {"half"} and self.attention == "native"
 
     def _rope_tables(self) -> None:
         """cos and a sign-folded sin for every position: rotate_half(x) · sin equals

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import half_weights, native
-from specdec.linear_kernels import BOUNDS, KERNELS, PROBES, KernelTable, Product, calibrate, prepare
+from specdec.linear_kernels import BOUNDS, KERNELS, PROBES, KernelTable, Product, calibrate, choose, prepare
 from specdec.model_runner import ForwardItem, ModelRunner
 from tests.specdec.test_model_runner import reference_logits
 
@@ -81,17 +81,15 @@ def test_the_kernel_builds_here_and_names_its_instruction_set(isa):
         module.half_linear(torch.randn(2, 31), half_weights.pack(weight, torch.float16, module.panel_width()), 64, None)
 
 
-def test_calibration_keeps_the_fastest_kernel_per_range_and_drops_unused_copies():
+def test_calibration_times_every_kernel_per_range_and_drops_unused_copies():
     weight, bias = _products(torch.float16, 512, 256)
     table = KernelTable()
     products = [Product(weight, bias, table) for _ in range(3)]
     timings = prepare(products, table, "auto", CPU, torch.float32)
     assert sorted(timings) == sorted(PROBES)
-    for rows, kernel in zip(PROBES, table.kernels):
-        t = timings[rows]
-        assert set(t) == set(KERNELS) and all(ms > 0 for ms in t.values())
-        fastest = min(t, key=t.get)
-        assert KERNELS[kernel] == (fastest if t[fastest] < 0.95 * t["aten"] else "aten")
+    for rows in PROBES:
+        assert set(timings[rows]) == set(KERNELS) and all(ms > 0 for ms in timings[rows].values())
+    assert table.kernels == choose(timings)
     used = table.used()
     assert all((p.packed is not None) == ("onednn" in used) and (p.half is not None) == ("half" in used)
                for p in products)
@@ -99,6 +97,26 @@ def test_calibration_keeps_the_fastest_kernel_per_range_and_drops_unused_copies(
     with pytest.raises(ValueError, match="auto, aten, onednn, half"):
         prepare(products, table, "mkl", CPU, torch.float32)
     assert calibrate  # the timing loop itself is what prepare ran above
+
+
+def timings_by_rows(**per_kernel: list[float]) -> dict[int, dict[str, float]]:
+    """{rows: {kernel: ms}} from each kernel's times at PROBES' row counts in order."""
+    return {rows: {k: times[i] for k, times in per_kernel.items()} for i, rows in enumerate(PROBES)}
+
+
+def test_a_kernel_is_left_for_more_rows_only_for_a_clear_win():
+    """The AVX-512 EPYC's target timings (ms at 1, 2, 4, 6, 12, 24, 48, 96 rows): the compact
+    kernel from one row, and at 96 rows oneDNN within 7 % of it. Choosing the fastest per
+    range took oneDNN there whenever the noise of a busy machine favoured it, and with it
+    other bits for a batch of more than 64 rows than for the same session alone."""
+    epyc = timings_by_rows(aten=[3.52, 4.34, 5.46, 6.2, 7.17, 9.88, 15.32, 25.9],
+                           onednn=[3.92, 4.53, 3.39, 3.43, 4.83, 7.18, 11.98, 19.5],
+                           half=[0.91, 0.96, 1.19, 1.51, 2.82, 5.37, 10.34, 20.22])
+    assert choose(epyc) == [KERNELS.index("half")] * len(PROBES)
+    # a clear win (under 0.85 of the time) does switch; aten is left under 0.95 of its time
+    clear = timings_by_rows(aten=[1.0] * 8, onednn=[2.0] * 6 + [0.5, 0.5], half=[0.9] * 8)
+    assert [KERNELS[k] for k in choose(clear)] == ["half"] * 6 + ["onednn"] * 2
+    assert choose(timings_by_rows(aten=[1.0] * 8, half=[0.96] * 8)) == [KERNELS.index("aten")] * 8
 
 
 @pytest.mark.parametrize("kernels", ["aten", "onednn", "half", "auto"])

@@ -94,3 +94,35 @@ def test_other_llama_family_models_match_hugging_face(family, tmp_path):
     assert torch.allclose(first, ref[:24], atol=1e-4)
     assert torch.allclose(rest, ref[24:], atol=1e-4)
     assert torch.allclose(reference_logits(model, ids), ref)  # the HF modules still work on the fused weights
+
+
+def test_a_batch_invariant_runner_gives_a_session_the_same_bits_in_any_company(target_model):
+    """With the compact products at every row count and native attention (this CPU's
+    default once the kernels built), a session's logits do not depend on its forward's
+    other rows: the same bits alone, beside other sessions of other lengths, and with its
+    prompt fed whole, in chunks or token by token. So a seeded request reproduces whatever
+    its batch company and after a failover's re-prefill."""
+    runner = ModelRunner(target_model)
+    if not runner.batch_invariant:
+        pytest.skip(f"this runner is not batch-invariant here: {runner.kernels_summary}")
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, runner.vocab_size, (90,), generator=gen)
+    draft = torch.randint(0, runner.vocab_size, (5,), generator=gen)
+
+    def verify(splits, company):
+        cache, i = runner.new_cache(), 0
+        for n in splits:
+            runner.forward([ForwardItem(cache, prompt[i : i + n], 1)])
+            i += n
+        others = []
+        for length in company:
+            other = runner.new_cache()
+            runner.forward([ForwardItem(other, torch.randint(0, runner.vocab_size, (length,), generator=gen), 1)])
+            others.append(ForwardItem(other, torch.randint(0, runner.vocab_size, (1 + length % 5,), generator=gen),
+                                      1 + length % 5))
+        return runner.forward([ForwardItem(cache, draft, 5)] + others)[0]
+
+    alone = verify([90], [])
+    for splits, company in [([90], [12]), ([90], [30, 7, 66, 3] * 4), ([64, 26], [5, 9]), ([1] * 90, []),
+                            ([37, 1, 52], [120])]:
+        assert torch.equal(verify(splits, company), alone), (splits, company)
