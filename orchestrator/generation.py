@@ -133,9 +133,10 @@ class Generator:
         """→ the proposal (at most γ tokens: fewer where the confidence stop cut it), or None
         when no draft replica can serve, or the generation ended while the call was late."""
         handle, deadline = gen.handle, gen.deadline
+        failed: set[str] = set()  # the replicas this call found down: not tried again for it
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
-                handle.draft_replica = await self.pools.pick("draft") or ""
+                handle.draft_replica = await self.pools.pick("draft", exclude=failed) or ""
                 handle.cursor.draft_len = 0
                 if not handle.draft_replica:
                     return None
@@ -150,7 +151,7 @@ class Generator:
                 t0 = time.perf_counter()
                 resp = await gen.links.propose(handle.draft_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
-                self._on_error(exc, handle, "draft", deadline, gen.stats)
+                failed |= self._on_error(exc, handle, "draft", deadline, gen.stats)
                 continue
             return Proposal(resp, ref, (time.perf_counter() - t0) * 1000)
         return None
@@ -158,9 +159,10 @@ class Generator:
     async def _verify(self, gen: Generation, draft_tokens: list[int],
                       dists: replica_pb2.DraftDistributions | None) -> replica_pb2.VerifyResponse:
         handle, stats, deadline = gen.handle, gen.stats, gen.deadline
+        failed: set[str] = set()  # the replicas this call found down: not tried again for it
         for _ in range(MAX_ATTEMPTS):
             if not handle.target_replica:
-                handle.target_replica = await self.pools.require("target")
+                handle.target_replica = await self.pools.require("target", exclude=failed)
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
             try:
                 await self._feed_in_chunks(gen, "target")
@@ -170,7 +172,7 @@ class Generator:
                 t0 = time.perf_counter()
                 resp = await gen.links.verify(handle.target_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
-                self._on_error(exc, handle, "target", deadline, stats)
+                failed |= self._on_error(exc, handle, "target", deadline, stats)
                 continue
             ms = (time.perf_counter() - t0) * 1000
             stats.verify_ms += ms
@@ -211,8 +213,9 @@ class Generator:
         return (lacking - 1) // self.prefill_chunk if self.prefill_chunk and lacking > 0 else 0
 
     def _on_error(self, exc: grpc.aio.AioRpcError, handle: SessionHandle, kind: str, deadline,
-                  stats: Stats) -> None:
-        """Decide what a failed internal call means for the session."""
+                  stats: Stats) -> set[str]:
+        """Decide what a failed internal call means for the session; → the replica it found
+        down (the session moves off it), else nothing."""
         code = exc.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("the client's deadline passed during generation")
@@ -223,7 +226,7 @@ class Generator:
                 handle.cursor.draft_len = 0
             else:
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
-            return
+            return set()
         if code in REPLICA_DOWN:
             log.warning("%s replica %s failed (%s: %s); re-homing session %s", kind, address, code.name,
                         exc.details(), handle.session_id)
@@ -234,7 +237,7 @@ class Generator:
                 handle.draft_replica = ""
             else:
                 handle.target_replica = ""
-            return
+            return {address}
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise Overloaded(f"{kind} replica {address} is full: {exc.details()}")
         raise InvalidRequest(f"{kind} replica refused the call: {exc.details()}")

@@ -143,9 +143,11 @@ class PoolClients:
         return best.address
 
     async def require(self, kind: str, exclude: set[str] = frozenset()) -> str:
+        """`pick`, or Unavailable saying so; `exclude`: the replicas the call has found down."""
         address = await self.pick(kind, exclude)
         if address is None:
-            raise Unavailable(f"no live {kind} replica is registered in pool {self.pools[kind]!r}; "
+            beyond = f" beyond the {len(exclude)} that failed this call" if exclude else ""
+            raise Unavailable(f"no live {kind} replica is registered in pool {self.pools[kind]!r}{beyond}; "
                               f"start one (python -m {kind}_service) or wait for the pool to recover")
         return address
 

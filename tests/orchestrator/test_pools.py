@@ -66,3 +66,22 @@ def test_an_empty_pool_is_unavailable_with_what_to_do(redis_server):
             await client.aclose()
 
     asyncio.run(go())
+
+
+def test_a_call_does_not_try_again_the_replicas_it_found_down(redis_server):
+    """Failing open must not loop a call over replicas that failed it: one whose every
+    registered replica it found down is refused at once, saying so."""
+    async def go():
+        pools, client = await pools_over(redis_server.url, A, B)
+        try:
+            pools.mark_down(A)
+            pools.mark_down(B)
+            assert await pools.pick("target", exclude={A}) == B
+            with pytest.raises(Unavailable, match="no live target replica is registered in pool 'target' "
+                                                  "beyond the 2 that failed this call"):
+                await pools.require("target", exclude={A, B})
+        finally:
+            await pools.close()
+            await client.aclose()
+
+    asyncio.run(go())
