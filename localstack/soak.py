@@ -132,12 +132,13 @@ class Tally:
         self.errors[what] += 1
         self.first_error.setdefault(what, exc.details())
 
-    def check(self, req: pb.GenerateRequest, tokens: list[int], stats: pb.GenerationStats | None) -> None:
+    def check(self, req: pb.GenerateRequest, tokens: list[int], stats: pb.GenerationStats | None,
+              session: str | None = None) -> None:
         key = consistency_key(req)
         if key is None:
             return
         kind = "greedy" if req.temperature == 0 else "seeded"
-        ran = how_it_ran(stats)
+        ran = how_it_ran(stats, session)
         if key not in self.expected:
             self.expected[key] = (tokens, ran)
             return
@@ -151,11 +152,14 @@ class Tally:
                 f"of {len(want)}; this request: {ran}; the first: {want_ran}")
 
 
-def how_it_ran(stats: pb.GenerationStats | None) -> str:
+def how_it_ran(stats: pb.GenerationStats | None, session: str | None = None) -> str:
+    """Its rounds, drafted tokens, failovers and replicas, and its session id: what the
+    servers' logs name it by."""
     if stats is None:
         return "no stats"
     return (f"{stats.rounds} rounds, {stats.drafted_tokens} drafted, {stats.replica_failovers} failovers, "
-            f"draft {stats.draft_replica or '-'}, target {stats.target_replica}")
+            f"draft {stats.draft_replica or '-'}, target {stats.target_replica}"
+            + (f", session {session}" if session else ""))
 
 
 async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: float,
@@ -182,7 +186,7 @@ async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: floa
     if first is not None:
         tally.first_chunk.append(first)
     tally.tokens += len(tokens)
-    tally.check(req, tokens, last.stats if last is not None else None)
+    tally.check(req, tokens, last.stats if last is not None else None, session)
     return session
 
 

@@ -388,6 +388,10 @@ class Generator:
         # target's keep chances of a sampled draft (gamma_policy.keep_chances)
         gen.stats.observe(gamma, verdict.accepted)
         gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
+        if log.isEnabledFor(logging.DEBUG):  # a round's trace (--log-level DEBUG), for comparing two runs
+            log.debug("session %s round at %d: γ %d (%s), kept %d, next %d; draft %s, target %s", handle.session_id,
+                      m, gamma, draft_tokens, verdict.accepted, verdict.next_token, handle.draft_replica or "-",
+                      handle.target_replica)
         return new, text, reason
 
     def _end_round(self, gen: Generation, book: Round, new: list[int], text: str | None, emit: Emit,

@@ -104,18 +104,25 @@ def timings_by_rows(**per_kernel: list[float]) -> dict[int, dict[str, float]]:
     return {rows: {k: times[i] for k, times in per_kernel.items()} for i, rows in enumerate(PROBES)}
 
 
-def test_a_kernel_is_left_for_more_rows_only_for_a_clear_win():
+def test_one_kernel_runs_every_row_count_unless_another_is_twice_as_fast():
     """The AVX-512 EPYC's target timings (ms at 1, 2, 4, 6, 12, 24, 48, 96 rows): the compact
-    kernel from one row, and at 96 rows oneDNN within 7 % of it. Choosing the fastest per
-    range took oneDNN there whenever the noise of a busy machine favoured it, and with it
-    other bits for a batch of more than 64 rows than for the same session alone."""
+    kernel from one row, oneDNN within 7 % of it at 96 rows. Choosing the fastest per range
+    took oneDNN there whenever a busy machine's noise favoured it, and with it other bits
+    for a batch of more than 64 rows than for the same session alone."""
     epyc = timings_by_rows(aten=[3.52, 4.34, 5.46, 6.2, 7.17, 9.88, 15.32, 25.9],
                            onednn=[3.92, 4.53, 3.39, 3.43, 4.83, 7.18, 11.98, 19.5],
                            half=[0.91, 0.96, 1.19, 1.51, 2.82, 5.37, 10.34, 20.22])
     assert choose(epyc) == [KERNELS.index("half")] * len(PROBES)
-    # a clear win (under 0.85 of the time) does switch; aten is left under 0.95 of its time
-    clear = timings_by_rows(aten=[1.0] * 8, onednn=[2.0] * 6 + [0.5, 0.5], half=[0.9] * 8)
-    assert [KERNELS[k] for k in choose(clear)] == ["half"] * 6 + ["onednn"] * 2
+    # a replica's start-up on a loaded machine (a chaos soak) read the compact kernel slower
+    # than oneDNN at 6 rows, and chose "1-4: half, 5-8: onednn, 9+: half"
+    noisy = timings_by_rows(aten=[3.6, 4.5, 5.6, 6.3, 7.3, 10.1, 15.9, 26.4],
+                            onednn=[4.0, 4.6, 3.4, 3.5, 4.9, 7.3, 12.1, 19.9],
+                            half=[0.93, 0.98, 1.21, 3.9, 2.9, 5.5, 10.5, 20.6])
+    assert choose(noisy) == [KERNELS.index("half")] * len(PROBES)
+    # more than twice as fast at a range does take that range
+    big = timings_by_rows(aten=[1.0] * 8, onednn=[2.0] * 6 + [0.4, 0.4], half=[0.9] * 8)
+    assert [KERNELS[k] for k in choose(big)] == ["half"] * 6 + ["onednn"] * 2
+    # aten stays unless another is under 0.95 of its time per row, summed
     assert choose(timings_by_rows(aten=[1.0] * 8, half=[0.96] * 8)) == [KERNELS.index("aten")] * 8
 
 
