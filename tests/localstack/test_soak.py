@@ -25,7 +25,8 @@ def test_a_short_soak_through_every_kind_of_request_leaves_nothing_behind(local_
 def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths, chaos_signal):
     """Two replicas a pool; one stopped every few seconds, the pools in turn (killed, or
     drained as a rolling update does), and a new one started in its place: no error, the
-    same tokens for every repeated greedy request, and nothing left over. With drains, one CI run had requests fail
+    same tokens for every repeated greedy request (and seeded one, where every replica is
+    batch-invariant, as the bundled pair is here), and nothing left over. With drains, one CI run had requests fail
     UNAVAILABLE for most of the run and a session left over, not understood; since then
     stops no longer hang on a dropped cancellation and a pool whose every replica failed a
     call is tried again (benchmarks/HISTORY.md, "Soaks with chaos", "Drains that hung").
