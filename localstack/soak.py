@@ -258,8 +258,6 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
     registered, and note its kernels in `kernels`. A restart under way when `stop` is set
     is finished, not cut short, so that the stack's list of replicas is whole when the soak
     takes its count."""
-    import redis
-
     client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
     rng, kinds = random.Random(0), ["target", "draft"]
     try:

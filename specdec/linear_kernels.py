@@ -16,10 +16,10 @@ streaming its weight costs. The kernels:
   (2.5 ms at one row, 3.2 at five).
 
 Which wins where depends on the CPU, so a runner times the kernels it has on its own
-weights at start-up (`calibrate`) and keeps, per range of row counts, the fastest, leaving
-the kernel of the fewer rows only for a clear win (`choose`). The kernels round differently
-in the last bits; each gives the model's numbers to float
-precision (tests/specdec/test_linear_kernels.py), and speculation's output law does not
+weights at start-up (`calibrate`) and keeps one kernel for every row count, the fastest
+over all of them, and another at a range only where it is more than twice as fast there
+(`choose`). The kernels round differently in the last bits; each gives the model's numbers
+to float precision (tests/specdec/test_linear_kernels.py), and speculation's output law does not
 depend on which one ran.
 """
 from __future__ import annotations
