@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
+import uuid
 
 import grpc
 
@@ -100,24 +100,29 @@ class Generator:
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
+        """The session's handle, held by this call (`SessionStore.acquire`) until `_close`,
+        the request's prompt appended and saved. A call refused here leaves the session
+        free."""
         if req.session_id:
-            handle = await self.store.load(req.session_id)
-            if not await self.store.try_lock(req.session_id, owner):
-                raise Overloaded(f"session {req.session_id} is already generating; wait for that call to finish")
-            handle.committed.extend(req.prompt_ids)
+            handle = await self.store.acquire(req.session_id, owner)
         else:
             target = await self.pools.require("target")
             draft = await self.pools.pick("draft") or ""
-            handle = SessionHandle(self.store.new_id(), draft, target, 1, list(req.prompt_ids))
+            handle = SessionHandle(self.store.new_id(), draft, target, 1, [], owner=owner)
             await self.store.try_lock(handle.session_id, owner)
-        if not handle.committed:
-            raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
-        if len(handle.committed) >= self.max_len:
-            raise InvalidRequest(f"the prompt ({len(handle.committed)} tokens with the session's history) "
-                                 f"leaves no room in the model context of {self.max_len} tokens")
-        handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
-                         "top_p": req.params.top_p, "seed": req.params.seed}
-        await self.store.save(handle)
+        try:
+            handle.committed.extend(req.prompt_ids)
+            if not handle.committed:
+                raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
+            if len(handle.committed) >= self.max_len:
+                raise InvalidRequest(f"the prompt ({len(handle.committed)} tokens with the session's history) "
+                                     f"leaves no room in the model context of {self.max_len} tokens")
+            handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
+                             "top_p": req.params.top_p, "seed": req.params.seed}
+            await self.store.save(handle)
+        except BaseException:
+            await self.store.unlock(handle.session_id, owner)
+            raise
         return handle
 
     # ----------------------------------------------------------------- one call each
@@ -245,7 +250,7 @@ class Generator:
     # ----------------------------------------------------------------- the loop
     async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
         t_start = time.perf_counter()
-        owner = f"{id(self)}:{random.getrandbits(32)}"
+        owner = uuid.uuid4().hex  # this call, as the holder of its session's lease
         handle = await self._open(req, owner)
         gen = self._begin(req, handle, deadline)
         gen.stats.started = t_start
@@ -426,7 +431,12 @@ class Generator:
             text = gen.text.push(new)[0]
         stats = gen.stats
         t0 = time.perf_counter()
-        await self.store.commit(commit)
+        if not await self.store.commit(commit):
+            # the handle is gone (Redis lost it, or it was ended by an older orchestrator):
+            # this call holds the whole session, so it writes it again rather than fail
+            log.warning("session %s: its handle was gone at a round's commit; written again whole",
+                        gen.handle.session_id)
+            await self.store.save(gen.handle)
         stats.redis_ms += (time.perf_counter() - t0) * 1000
         await emit(text, new)
         if new and not stats.first_token_ms:

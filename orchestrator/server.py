@@ -7,6 +7,7 @@ import hmac
 import logging
 import math
 import time
+import uuid
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -24,7 +25,7 @@ from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of, watch_stop
 from specdec.models import BUNDLED_TARGET, load_tokenizer
 from specdec.registry import Registry
-from specdec.session_store import SessionStore
+from specdec.session_store import LEASE_SECONDS, SessionStore
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -179,7 +180,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 raise InvalidRequest("session_id is required")
             if not SESSION_ID.match(request.session_id):
                 raise InvalidRequest("session_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
-            handle = await self.gen.store.load(request.session_id)
+            # held like a generation's: a session still generating is refused (ABORTED), not
+            # deleted under that call
+            handle = await self.gen.store.acquire(request.session_id, uuid.uuid4().hex)
             await self.gen.release(handle)
         except SpecDecError as exc:
             await abort(context, exc)
@@ -246,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="concurrent generations before RESOURCE_EXHAUSTED [SPECDEC_MAX_CONCURRENT]")
     ap.add_argument("--session-ttl", type=int, default=int(env("SESSION_TTL", 600)),
                     help="seconds a session handle lives in Redis after its last use [SPECDEC_SESSION_TTL]")
+    ap.add_argument("--session-lease", type=float, default=float(env("SESSION_LEASE", LEASE_SECONDS)),
+                    help=f"seconds a call holds its session in Redis without completing a round (default "
+                         f"{LEASE_SECONDS:g}); every round renews it. A session whose orchestrator stopped "
+                         f"mid-call is free again after this long; a call that went longer between rounds "
+                         f"(a replica hanging for --call-timeout) keeps its session unless another call took "
+                         f"it meanwhile [SPECDEC_SESSION_LEASE]")
     ap.add_argument("--draft-pool", default=env("DRAFT_POOL", "draft"), help="[SPECDEC_DRAFT_POOL]")
     ap.add_argument("--target-pool", default=env("TARGET_POOL", "target"), help="[SPECDEC_TARGET_POOL]")
     ap.add_argument("--api-token-file", default=env("API_TOKEN_FILE"),
@@ -335,7 +344,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.export_target_forward_ms(costs.forward.table)
     governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)
     metrics.export_governor(governor.table)
-    generator = Generator(pools, SessionStore(redis, args.session_ttl), tokenizer, context, costs,
+    store = SessionStore(redis, args.session_ttl, lease_seconds=args.session_lease)
+    generator = Generator(pools, store, tokenizer, context, costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
                           calls=args.internal_calls,
@@ -375,6 +385,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--call-timeout must be a finite number of seconds above 0, got {args.call_timeout}")
     if not 0 <= args.draft_wait_ms < math.inf:
         ap.error(f"--draft-wait-ms must be a finite number of milliseconds, 0 or more, got {args.draft_wait_ms}")
+    if not 0 < args.session_lease < math.inf:
+        ap.error(f"--session-lease must be a finite number of seconds above 0, got {args.session_lease}")
+    if args.session_ttl < 1:
+        ap.error(f"--session-ttl must be at least 1 second, got {args.session_ttl}")
     if not 0 <= args.overlap_min_use <= 1:
         ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
     with refusing_to_start("orchestrator"):

@@ -54,9 +54,10 @@ class CommitBatcher:
         self._senders: set[asyncio.Task] = set()  # every sender still running (tasks need a reference)
         self.round_trips = 0  # writes that carried commits (retries included)
 
-    async def submit(self, keys: Sequence[str], args: Sequence) -> None:
+    async def submit(self, keys: Sequence[str], args: Sequence):
         """Run the script once for these keys and arguments, beside whatever else is
-        submitted in this turn; Unavailable once it could not land within retry_seconds."""
+        submitted in this turn; → the script's reply, or Unavailable once it could not land
+        within retry_seconds."""
         command = pack_command(["EVALSHA", self.sha, len(keys), *keys, *args])
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
@@ -65,7 +66,7 @@ class CommitBatcher:
             self._next = task = loop.create_task(self._send_next_turn())
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
-        await waiter
+        return await waiter
 
     async def _send_next_turn(self) -> None:
         """A task runs its first step on the loop's next turn: by then every commit of this
@@ -95,7 +96,7 @@ class CommitBatcher:
                 replies = [exc] * len(todo)
             for (_, waiter), reply in zip(todo, replies):
                 if not isinstance(reply, Exception) and not waiter.done():
-                    waiter.set_result(None)
+                    waiter.set_result(reply)
             failed = [(item, reply) for item, reply in zip(todo, replies) if isinstance(reply, Exception)]
             if not failed:
                 return

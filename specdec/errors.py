@@ -23,6 +23,11 @@ class Overloaded(SpecDecError):
     """Capacity is exhausted (RESOURCE_EXHAUSTED)."""
 
 
+class SessionBusy(SpecDecError):
+    """Another call holds the session, or took it over from this one after this call's
+    lease lapsed (ABORTED: a conflict between calls, to be retried once the other ends)."""
+
+
 class Unavailable(SpecDecError):
     """A dependency (a pool, Redis) cannot be reached (UNAVAILABLE)."""
 

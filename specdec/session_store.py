@@ -5,6 +5,14 @@ committed token ids, what each cache holds (the cursor), an epoch and the sampli
 parameters; it expires after a TTL refreshed on use. A round's commit is one atomic
 server-side script (append the new tokens, update the cursor, refresh the TTLs), so any
 orchestrator can continue the session from the last completed round.
+
+One call at a time holds a session: a lock in Redis whose owner is the call, held as a
+lease. Every round's commit renews it in the same script, so a generation keeps its
+session however long it runs, and one whose orchestrator died frees it within the lease
+rather than for minutes. The commit is also fenced by it: a call whose lease lapsed and
+whose session another call took meanwhile is refused (SessionBusy) instead of writing its
+tokens over the other's, and a commit never brings back a handle that is gone (ended, or
+lost by Redis): it says so and the call writes the whole handle again.
 """
 from __future__ import annotations
 
@@ -17,25 +25,34 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from specdec.commit_batch import CommitBatcher
-from specdec.errors import SessionNotFound, Unavailable
+from specdec.errors import SessionBusy, SessionNotFound, Unavailable
 from specdec.retry import RetryWindow
 from specdec.rounds import Cursor
 
 PREFIX = "specdec:session:"
+LEASE_SECONDS = 30.0  # how long a call holds its session without a round's commit
 
 # A round's commit: what a MULTI/EXEC of SETRANGE, HSET and two EXPIREs did, as one
 # command with one reply. redis-py's pipeline built and parsed six commands' worth of
 # replies for it: 250-270 µs of the orchestrator's CPU a round against 113-121 µs for this
 # script (1,000 commits each against a local redis-server, 2026-12-01). Scripts run
-# atomically, like the transaction. KEYS: meta, tokens; ARGV: byte offset, token bytes,
-# TTL, then the handle's fields and values.
+# atomically, like the transaction. First the lease: held by this call, or by none, and
+# the handle still there, it is renewed; else nothing is written: 0 = another call holds
+# the session, -1 = the handle is gone (SETRANGE would bring it back as zero bytes up to
+# the offset). KEYS: meta, tokens, lock; ARGV: byte offset, token bytes, TTL, owner, lease
+# in ms, then the handle's fields and values.
 COMMIT_SCRIPT = """
+local holder = redis.call('GET', KEYS[3])
+if holder and holder ~= ARGV[4] then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
 redis.call('SETRANGE', KEYS[2], tonumber(ARGV[1]), ARGV[2])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+COMMITTED, TAKEN, GONE = 1, 0, -1  # the commit script's replies
 # A session's lock released by its owner only, in one step: a GET then a DEL could delete a
 # lock another call took after this one's expired. KEYS: the lock; ARGV: the owner.
 UNLOCK_SCRIPT = """
@@ -55,6 +72,7 @@ class SessionHandle:
     committed: list[int]
     cursor: Cursor = field(default_factory=Cursor)
     params: dict = field(default_factory=dict)
+    owner: str = ""  # the call holding the session's lease (not stored in the handle)
 
     @property
     def length(self) -> int:
@@ -80,9 +98,11 @@ class RoundCommit:
 
 
 class SessionStore:
-    def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600, commit_retry_seconds: float = 5.0) -> None:
+    def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600, commit_retry_seconds: float = 5.0,
+                 lease_seconds: float = LEASE_SECONDS) -> None:
         self.redis = client
         self.ttl = ttl_seconds
+        self.lease_ms = max(1, round(lease_seconds * 1000))
         self.commit_retry_seconds = commit_retry_seconds  # rides out a Redis restart mid-stream
         # EVALSHA, loading the script again after a Redis restart forgot it (NOSCRIPT); the
         # commit script's batcher does the same for its own
@@ -96,7 +116,12 @@ class SessionStore:
     def _keys(self, session_id: str) -> tuple[str, str]:
         return PREFIX + session_id, PREFIX + session_id + ":tokens"
 
+    @staticmethod
+    def _lock_key(session_id: str) -> str:
+        return PREFIX + session_id + ":lock"
+
     async def create(self, handle: SessionHandle) -> None:
+        """Write the whole handle (and, where it has an owner, renew that owner's lease)."""
         meta, toks = self._keys(handle.session_id)
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -105,6 +130,8 @@ class SessionStore:
                 pipe.set(toks, _tokens_bytes(handle.committed))
                 pipe.expire(meta, self.ttl)
                 pipe.expire(toks, self.ttl)
+                if handle.owner:
+                    pipe.set(self._lock_key(handle.session_id), handle.owner, px=self.lease_ms)
                 await pipe.execute()
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
@@ -135,17 +162,25 @@ class SessionStore:
         their place). `handle.committed` already includes new_tokens. Every write is
         absolute (SETRANGE at an offset, the whole cursor), so a commit may be retried."""
         offset = 4 * (handle.length - len(new_tokens))
-        args = [offset, _tokens_bytes(new_tokens), self.ttl]
+        args = [offset, _tokens_bytes(new_tokens), self.ttl, handle.owner, self.lease_ms]
         for field_value in _meta(handle).items():
             args.extend(field_value)
-        return RoundCommit(list(self._keys(handle.session_id)), args)
+        return RoundCommit([*self._keys(handle.session_id), self._lock_key(handle.session_id)], args)
 
-    async def commit(self, commit: RoundCommit) -> None:
+    async def commit(self, commit: RoundCommit) -> bool:
         """One atomic script (the stored length guards readers against a partially applied
         append anyway), sent in one write with the other sessions' commits of this loop
         turn (specdec/commit_batch.py). While Redis restarts the stream waits, with
-        backoff, up to commit_retry_seconds."""
-        await self._commits.submit(commit.keys, commit.args)
+        backoff, up to commit_retry_seconds. → False where the handle is gone and nothing
+        was written (the caller writes it whole again, `create`); SessionBusy where another
+        call took the session over."""
+        reply = await self._commits.submit(commit.keys, commit.args)
+        if reply == TAKEN:
+            session_id = commit.keys[0][len(PREFIX):]
+            raise SessionBusy(f"session {session_id} was taken over by another call while this one went "
+                              f"{self.lease_ms / 1000:g} s or more without a round (the session lease); "
+                              "the tokens streamed so far are committed")
+        return reply == COMMITTED
 
     async def _retrying(self, script, keys: list[str], args: list):
         """The script's answer, retried with backoff while Redis is unreachable, for up to
@@ -165,16 +200,36 @@ class SessionStore:
 
     async def delete(self, session_id: str) -> bool:
         try:
-            return bool(await self.redis.delete(*self._keys(session_id), PREFIX + session_id + ":lock"))
+            return bool(await self.redis.delete(*self._keys(session_id), self._lock_key(session_id)))
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
-    async def try_lock(self, session_id: str, owner: str, ttl_seconds: int = 120) -> bool:
-        """One generation at a time per session: a second concurrent call is refused."""
+    async def try_lock(self, session_id: str, owner: str) -> bool:
+        """One generation at a time per session: a second concurrent call is refused. The
+        lock is a lease, renewed by each of the owner's commits."""
         try:
-            return bool(await self.redis.set(PREFIX + session_id + ":lock", owner, nx=True, ex=ttl_seconds))
+            return bool(await self.redis.set(self._lock_key(session_id), owner, nx=True, px=self.lease_ms))
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def acquire(self, session_id: str, owner: str) -> SessionHandle:
+        """The session's handle, held by `owner`: SessionBusy while another call holds it,
+        SessionNotFound where there is none. Locked before it is read, so that the handle
+        read is the one the last call left, not one a call still running will change."""
+        if not await self.try_lock(session_id, owner):
+            try:
+                left = max(0.0, await self.redis.pttl(self._lock_key(session_id)) / 1000)
+            except RedisError:
+                left = self.lease_ms / 1000
+            raise SessionBusy(f"session {session_id} is in use by another call; retry once it ends (if the "
+                              f"orchestrator running it stopped, the session is free within {left:.0f} s)")
+        try:
+            handle = await self.load(session_id)
+        except BaseException:
+            await self.unlock(session_id, owner)
+            raise
+        handle.owner = owner
+        return handle
 
     async def unlock(self, session_id: str, owner: str) -> None:
         """Release the lock if this owner still holds it. Retried like a commit: a lock left
@@ -182,7 +237,7 @@ class SessionStore:
         (RESOURCE_EXHAUSTED) until it expired, minutes later. Where Redis stays away past
         the retries it expires by itself."""
         try:
-            await self._retrying(self._unlock_script, [PREFIX + session_id + ":lock"], [owner])
+            await self._retrying(self._unlock_script, [self._lock_key(session_id)], [owner])
         except Unavailable:
             pass
 

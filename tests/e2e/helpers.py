@@ -70,6 +70,7 @@ class Streams:
 
     def __init__(self, stub, requests, timeout: float = 300) -> None:
         self.results: list = [None] * len(requests)
+        self.tokens: list[list[int]] = [[] for _ in requests]  # each stream's tokens so far, kept on an error too
         self.calls: list = [None] * len(requests)
         self.first = [threading.Event() for _ in requests]
         self.threads = [threading.Thread(target=self._run, args=(i, stub, r, timeout), daemon=True)
@@ -78,7 +79,7 @@ class Streams:
             t.start()
 
     def _run(self, i, stub, req, timeout) -> None:
-        tokens, last = [], None
+        tokens, last = self.tokens[i], None
         try:
             self.calls[i] = stub.GenerateStream(req, timeout=timeout)
             for chunk in self.calls[i]:

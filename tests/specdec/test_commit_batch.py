@@ -66,7 +66,7 @@ def test_a_failing_commit_fails_alone(redis_server):
         await client.hset(PREFIX + "s2:tokens", "x", "y")  # SETRANGE on it: WRONGTYPE
         results = await asyncio.gather(*(store.commit(_advance(store, h, [7])) for h in handles),
                                        return_exceptions=True)
-        assert [r is None for r in results] == [True, True, False, True]
+        assert [r is True for r in results] == [True, True, False, True]  # True: committed
         assert isinstance(results[2], Unavailable) and "WRONGTYPE" in str(results[2])
         for h in handles[:2] + handles[3:]:
             assert (await store.load(h.session_id)).committed == [1, 2, 3, 7]

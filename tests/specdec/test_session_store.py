@@ -1,10 +1,13 @@
-"""Session handles in a real redis-server: a round's commit, a load, a Redis restart."""
+"""Session handles in a real redis-server: a round's commit, a load, a Redis restart, the
+lease a call holds its session by."""
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
+from specdec.errors import SessionBusy, SessionNotFound
 from specdec.rounds import Cursor
 from specdec.session_store import PREFIX, SessionHandle, SessionStore
 
@@ -83,6 +86,97 @@ def test_a_lock_is_released_by_its_owner_only_and_across_a_redis_blip(redis_serv
         await store.unlock("s1", "call-a")  # issued while Redis is down
         await restart
         assert await store.try_lock("s1", "call-b")  # released, not left to expire
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def _commit_one(store: SessionStore, handle: SessionHandle, token: int):
+    handle.committed.append(token)
+    handle.cursor = Cursor(handle.length - 1, handle.length - 1, False)
+    return store.commit(store.round_commit(handle, [token]))
+
+
+def test_a_session_is_held_by_one_call_and_each_commit_renews_the_lease(redis_server):
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30, lease_seconds=1.0)
+        await store.create(_handle())
+        held = await store.acquire("s1", "call-a")
+        assert held.owner == "call-a" and held.committed == [11, 12, 13]
+        with pytest.raises(SessionBusy, match="in use by another call"):
+            await store.acquire("s1", "call-b")
+        for token in (14, 15, 16):  # 1.5 leases in all: each commit renews it
+            await asyncio.sleep(0.5)
+            assert await _commit_one(store, held, token)
+            assert 800 < await client.pttl(PREFIX + "s1:lock") <= 1000
+        assert (await store.load("s1")).committed == [11, 12, 13, 14, 15, 16]
+        await store.unlock("s1", "call-a")
+        assert (await store.acquire("s1", "call-b")).owner == "call-b"
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_call_whose_lease_lapsed_cannot_write_over_the_call_that_took_the_session(redis_server):
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30, lease_seconds=0.2)
+        await store.create(_handle())
+        first = await store.acquire("s1", "call-a")
+        await asyncio.sleep(0.3)  # a hung round: the lease lapses ...
+        second = await store.acquire("s1", "call-b")  # ... and another call continues the session
+        assert await _commit_one(store, second, 20)
+        with pytest.raises(SessionBusy, match="taken over by another call"):
+            await _commit_one(store, first, 99)
+        assert (await store.load("s1")).committed == [11, 12, 13, 20]
+        assert await client.get(PREFIX + "s1:lock") == b"call-b"
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_lapsed_lease_nobody_took_is_taken_again_by_the_next_commit(redis_server):
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30, lease_seconds=0.2)
+        await store.create(_handle())
+        held = await store.acquire("s1", "call-a")
+        await asyncio.sleep(0.3)
+        assert await client.get(PREFIX + "s1:lock") is None
+        assert await _commit_one(store, held, 14)
+        assert await client.get(PREFIX + "s1:lock") == b"call-a"
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_commit_never_brings_back_a_handle_that_is_gone(redis_server):
+    """Before the lease, a commit after the handle was lost (a Redis that lost its last
+    writes, a handle deleted) wrote it again as zero tokens up to the round's offset."""
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30)
+        await store.create(_handle())
+        held = await store.acquire("s1", "call-a")
+        await client.delete(PREFIX + "s1", PREFIX + "s1:tokens", PREFIX + "s1:lock")
+        assert not await _commit_one(store, held, 14)
+        assert await client.keys(PREFIX + "s1*") == []
+        await store.create(held)  # what a generation does then: the whole handle again, its lease with it
+        assert (await store.load("s1")).committed == [11, 12, 13, 14]
+        assert await client.get(PREFIX + "s1:lock") == b"call-a"
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_acquiring_an_unknown_session_leaves_no_lock(redis_server):
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30)
+        with pytest.raises(SessionNotFound):
+            await store.acquire("nope", "call-a")
+        assert await client.keys(PREFIX + "*") == []
         await client.aclose()
 
     asyncio.run(go())
