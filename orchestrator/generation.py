@@ -92,6 +92,7 @@ class Generator:
         self.stop_below = stop_below  # (greedy, sampled): the adaptive proposals' confidence stop
         self.governor = governor or LoadGovernor()  # speculation on or off under load, by measurement
         self.active = 0  # generations in flight in this process: the governor's load
+        self._closing: set[asyncio.Task] = set()  # generations' ends still releasing their sessions
         self.prefill_chunk = prefill_chunk  # tokens a call feeds at most before the round's own (0: no limit)
         self.waits = DraftWaits(draft_wait)
         # pre-draft the next round during verification (adaptive γ only)
@@ -309,7 +310,10 @@ class Generator:
             self.active -= 1
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
-            await asyncio.shield(self._close(handle, req, owner, pending, gen.links, gen.late))
+            closing = asyncio.ensure_future(self._close(handle, req, owner, pending, gen.links, gen.late))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            await asyncio.shield(closing)
         metrics.TOKENS.inc(len(generated))
         return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
                        handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
@@ -469,6 +473,21 @@ class Generator:
             await self.store.unlock(handle.session_id, owner)
             return
         await self.release(handle, draft_in_background=draft_late)
+
+    async def wind_down(self, timeout: float) -> int:
+        """After the server's stop: wait up to `timeout` for the generations it cut short
+        (those still running when a drain's grace ran out) to release their sessions, before
+        the process closes its channels and Redis. Their ends run shielded from the
+        cancellation, but once the process moved on they failed or never ran: every such
+        session's handle was left in Redis until its TTL and its caches on both replicas
+        until evicted. → how many were still releasing at the timeout."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:  # cancelled generations reach their ends
+            await asyncio.sleep(0.01)
+        ends = set(self._closing)
+        if ends:
+            await asyncio.wait(ends, timeout=max(0.0, deadline - time.monotonic()))
+        return sum(not end.done() for end in ends)
 
     async def release(self, handle: SessionHandle, draft_in_background: bool = False) -> None:
         async def release_on(kind: str, address: str) -> None:

@@ -20,7 +20,7 @@ from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
 from specdec import event_loop, metrics
 from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, refusing_to_start, setup_logging
-from specdec.errors import InvalidRequest, Overloaded, SpecDecError
+from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of, watch_stop
 from specdec.models import BUNDLED_TARGET, load_tokenizer
@@ -89,6 +89,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         self.max_new_tokens = max_new_tokens
         self.max_concurrent = max_concurrent
         self.active = 0
+        self.draining = False  # set at SIGTERM: new generations are refused, those in flight finish
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the generations in flight to end; → whether they all did."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.active
 
     async def _request(self, request):
         """The checked request. A long prompt is tokenized in a worker thread (the tokenizer
@@ -103,6 +111,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return validate(*args)
 
     def _admit(self) -> None:
+        if self.draining:
+            raise Unavailable("this orchestrator is shutting down and takes no new generations; retry the "
+                              "call (a load balancer sends it to another orchestrator)")
         if self.active >= self.max_concurrent:
             raise Overloaded(f"the server is at its limit of {self.max_concurrent} concurrent generations; "
                              "retry with backoff")
@@ -235,6 +246,11 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny_unary, request_deserializer=handler.request_deserializer if handler else None)
 
 
+# after a drain, how long the generations it cut short may take to release their sessions
+# (a replica's Release is given 2 s): inside the stop watch's slack (specdec/grpc_server.py)
+WIND_DOWN_S = 3.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m orchestrator",
                                  description="Public gRPC API of the speculative-decoding server.")
@@ -353,7 +369,8 @@ async def serve(args: argparse.Namespace) -> None:
                           call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
                           prefill_chunk=args.prefill_chunk)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
-    add_servicer(OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent), shell.server)
+    servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
+    add_servicer(servicer, shell.server)
     port = shell.listen(args.host, args.port, creds)
     metrics.serve_metrics(args.metrics_port)
     log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
@@ -365,7 +382,18 @@ async def serve(args: argparse.Namespace) -> None:
     await shell.stopping.wait()
     log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
     end_watch = watch_stop(args.drain_seconds)
-    await shell.drain_and_stop(args.drain_seconds)
+    # the servicer refuses new generations with UNAVAILABLE while those in flight finish, and
+    # only then does the server stop: calls that reached a server already stopping were
+    # seen to fail CANCELLED, which clients and gRPC's retry policies do not retry
+    servicer.draining = True
+    await shell.set_serving(False)
+    started = time.monotonic()
+    await servicer.drained(args.drain_seconds)
+    await shell.drain_and_stop(max(0.0, args.drain_seconds - (time.monotonic() - started)))
+    releasing = await generator.wind_down(WIND_DOWN_S)
+    if releasing:
+        log.warning("%d generation(s) cut short by the drain still releasing their sessions after %.0fs; "
+                    "their handles expire by TTL", releasing, WIND_DOWN_S)
     await pools.close()
     await redis.aclose()
     end_watch()
