@@ -67,8 +67,8 @@ models: venv  ## retrain the bundled pair (about 2 hours on 2 cores)
 loadtest: setup  ## python load generator against a local stack
 	$(PY) -m localstack loadtest
 
-soak: setup  ## N streams for M minutes against the local stack (SOAK_STREAMS, SOAK_MINUTES; SOAK_CHAOS=S stops a replica every S seconds)
-	$(PY) -m localstack soak --streams $${SOAK_STREAMS:-8} --minutes $${SOAK_MINUTES:-10} $${SOAK_CHAOS:+--chaos $$SOAK_CHAOS}
+soak: setup  ## N streams for M minutes against the local stack (SOAK_STREAMS, SOAK_MINUTES; SOAK_CHAOS=S stops a replica every S seconds; SOAK_ARGS more flags)
+	$(PY) -m localstack soak --streams $${SOAK_STREAMS:-8} --minutes $${SOAK_MINUTES:-10} $${SOAK_CHAOS:+--chaos $$SOAK_CHAOS} $${SOAK_ARGS:-}
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -22,7 +22,13 @@ checks what must hold however busy the stack is:
 With `chaos`, a replica is stopped every `chaos` seconds (SIGKILL, or SIGTERM for a
 graceful drain), the draft and the target pool in turn, and a new one started in its
 place: with two replicas a pool, the clients must see none of it (no error, the same
-tokens), since a session moves to another replica and rebuilds its cache there.
+tokens), since a session moves to another replica and rebuilds its cache there. With
+`chaos_orchestrators` as well, the stack's two orchestrators take their turn too, always
+drained (SIGTERM, a rolling update of their Deployment): the clients send each call to one
+of the orchestrators running, the next in turn, and a call refused by one that is shutting
+down to another, as a load balancer and a retry policy would. A conversation's turns and
+its EndSession go to whichever orchestrator is next, so they also show that the
+orchestrators hold no session state.
 """
 from __future__ import annotations
 
@@ -113,6 +119,43 @@ def consistency_key(req: pb.GenerateRequest) -> tuple | None:
     return req.prompt, req.max_new_tokens, req.temperature, seed, tuple(req.stop)
 
 
+class Front:
+    """The clients' way in: a channel to each orchestrator of the stack, each call sent to
+    the next one serving. `refused` says which failures a retry policy would hide:
+    UNAVAILABLE before the call did anything, from an orchestrator shutting down (its
+    refusal, or no connection once it is gone)."""
+
+    def __init__(self, stack) -> None:
+        # the orchestrators serving, as a Service's endpoints list its ready pods: one that
+        # is still starting is not in it (its port refuses connections, and a gRPC channel
+        # that found it so fails its calls at once for a backoff of up to minutes)
+        self.serving = [r.address for r in stack.orchestrators]
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.drained: set[str] = set()  # orchestrators the churn stopped
+        self.turn = 0
+        self.redirected = 0  # calls sent again, to another orchestrator
+
+    def drain(self, address: str) -> None:
+        self.serving.remove(address)
+        self.drained.add(address)
+
+    def stub(self) -> tuple[str, pb_grpc.OrchestratorStub]:
+        address = self.serving[self.turn % len(self.serving)]
+        self.turn += 1
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address)
+        return address, pb_grpc.OrchestratorStub(self.channels[address])
+
+    def refused(self, address: str, exc: grpc.aio.AioRpcError) -> bool:
+        details = exc.details() or ""
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and (
+            "shutting down" in details or "failed to connect" in details or address in self.drained)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+
+
 class Tally:
     """What the clients saw, shared by all of them (one event loop)."""
 
@@ -162,26 +205,37 @@ def how_it_ran(stats: pb.GenerationStats | None, session: str | None = None) -> 
             + (f", session {session}" if session else ""))
 
 
-async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: float,
+REDIRECTS = 3  # times a call refused by an orchestrator shutting down is sent to another
+ENDPOINTS_LAG_S = 0.5  # how long calls still go to an orchestrator after its SIGTERM
+
+
+async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeout: float,
                       cancel_after_first: bool = False) -> str | None:
     """One GenerateStream; → its session id (None when it failed or was cancelled)."""
-    t0, first, tokens, session, last = time.perf_counter(), None, [], None, None
-    call = stub.GenerateStream(req, timeout=timeout)
-    try:
-        async for chunk in call:
-            session, last = chunk.session_id or session, chunk
-            if first is None and chunk.token_ids:
-                first = time.perf_counter() - t0
-                if cancel_after_first:
-                    call.cancel()
-                    tally.cancelled += 1
-                    return None
-            tokens.extend(chunk.token_ids)
-    except asyncio.CancelledError:
-        raise
-    except grpc.aio.AioRpcError as exc:
-        tally.fail(exc.code().name, exc)
-        return None
+    t0 = time.perf_counter()
+    for attempt in range(REDIRECTS + 1):
+        address, stub = front.stub()
+        first, tokens, session, last = None, [], None, None
+        call = stub.GenerateStream(req, timeout=timeout)
+        try:
+            async for chunk in call:
+                session, last = chunk.session_id or session, chunk
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - t0
+                    if cancel_after_first:
+                        call.cancel()
+                        tally.cancelled += 1
+                        return None
+                tokens.extend(chunk.token_ids)
+            break
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if last is None and attempt < REDIRECTS and front.refused(address, exc):
+                front.redirected += 1
+                continue
+            tally.fail(exc.code().name, exc)
+            return None
     tally.latency.append(time.perf_counter() - t0)
     if first is not None:
         tally.first_chunk.append(first)
@@ -190,19 +244,30 @@ async def stream_once(stub, req: pb.GenerateRequest, tally: Tally, timeout: floa
     return session
 
 
-async def one_request(stub, i: int, max_new_tokens: int, tally: Tally, timeout: float) -> None:
+async def end_session(front: Front, session: str, tally: Tally, timeout: float) -> None:
+    for attempt in range(REDIRECTS + 1):
+        address, stub = front.stub()
+        try:
+            await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
+            return
+        except grpc.aio.AioRpcError as exc:
+            if attempt < REDIRECTS and front.refused(address, exc):
+                front.redirected += 1
+                continue
+            tally.fail(f"EndSession {exc.code().name}", exc)
+            return
+
+
+async def one_request(front: Front, i: int, max_new_tokens: int, tally: Tally, timeout: float) -> None:
     kind, req = request_for(i, max_new_tokens)
     tally.kinds[kind] += 1
-    session = await stream_once(stub, req, tally, timeout, cancel_after_first=kind == "cancelled")
+    session = await stream_once(front, req, tally, timeout, cancel_after_first=kind == "cancelled")
     if kind != "conversation" or session is None:
         return
     follow = pb.GenerateRequest(prompt="\n# and then\n", max_new_tokens=max_new_tokens, temperature=0.0,
                                 session_id=session)
-    await stream_once(stub, follow, tally, timeout)
-    try:
-        await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
-    except grpc.aio.AioRpcError as exc:
-        tally.fail(f"EndSession {exc.code().name}", exc)
+    await stream_once(front, follow, tally, timeout)
+    await end_session(front, session, tally, timeout)
 
 
 async def sessions_held(stack) -> dict[str, int]:
@@ -252,14 +317,16 @@ async def leftovers(stack, before: dict[str, int]) -> dict[str, int]:
 
 
 async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: list[str],
-                kernels: dict[str, str]) -> None:
+                kernels: dict[str, str], front: Front | None = None) -> None:
     """Every `every` seconds until `stop` is set, stop a replica of the draft and the target
-    pool in turn and start a new one in its place, waiting until it serves and has
-    registered, and note its kernels in `kernels`. A restart under way when `stop` is set
-    is finished, not cut short, so that the stack's list of replicas is whole when the soak
+    pool in turn (and, given the clients' `front`, one of the orchestrators, always drained)
+    and start a new one in its place, waiting until it serves and, for a replica, has
+    registered, and note its kernels in `kernels`. A restart under way when `stop` is set is
+    finished, not cut short, so that the stack's lists of servers are whole when the soak
     takes its count."""
     client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
-    rng, kinds = random.Random(0), ["target", "draft"]
+    rng = random.Random(0)
+    kinds = ["target", "draft"] + (["orchestrator"] if front is not None else [])
     try:
         while True:
             try:
@@ -267,7 +334,21 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
                 return
             except asyncio.TimeoutError:
                 pass
-            kind = kinds[len(restarts) % 2]
+            kind = kinds[len(restarts) % len(kinds)]
+            if kind == "orchestrator":
+                victim = rng.choice([r for r in stack.orchestrators if r.proc.poll() is None])
+                victim.proc.send_signal(signal.SIGTERM)
+                # calls still reach it for a moment, as they reach a pod until the endpoints'
+                # update has spread: it refuses them, and the clients send them elsewhere
+                await asyncio.sleep(ENDPOINTS_LAG_S)
+                front.drain(victim.address)
+                await asyncio.to_thread(victim.proc.wait, 30)
+                stack.orchestrators.remove(victim)
+                fresh = await asyncio.to_thread(stack.start_orchestrator)  # returns once it serves
+                front.serving.append(fresh.address)
+                restarts.append(f"orchestrator@{victim.port} (exit {victim.proc.returncode}) → "
+                                f"orchestrator@{fresh.port}")
+                continue
             victim = rng.choice([r for r in stack.replicas if r.kind == kind and r.proc.poll() is None])
             await asyncio.to_thread(stack.kill, victim, sig)
             stack.replicas.remove(victim)
@@ -281,9 +362,10 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
 
 
 async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
-               max_requests: int | None = None, chaos: float | None = None, chaos_signal: str = "kill") -> dict:
-    """Run the soak against `stack` (a started LocalStack, nothing else using it); print
-    and return the report."""
+               max_requests: int | None = None, chaos: float | None = None, chaos_signal: str = "kill",
+               chaos_orchestrators: bool = False) -> dict:
+    """Run the soak against `stack` (a started LocalStack, nothing else using it; two
+    orchestrators where `chaos_orchestrators`); print and return the report."""
     procs = processes(stack)
     memory = {name: {"start": resident_mib(pid)} for name, pid in procs.items()}
     before = await sessions_held(stack)
@@ -292,31 +374,34 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     t_end = t_start + seconds
     timeout = max(30.0, 2 * seconds)
 
-    async def client(stub) -> None:
+    async def client(front: Front) -> None:
         nonlocal issued
         while time.monotonic() < t_end and (max_requests is None or issued < max_requests):
             i, issued = issued, issued + 1  # the clients take the kinds in turn between them
-            await one_request(stub, i, max_new_tokens, tally, timeout)
+            await one_request(front, i, max_new_tokens, tally, timeout)
 
     async def sample_after_warmup() -> None:
         await asyncio.sleep(WARMUP_SECONDS)
         for name, pid in procs.items():
             memory[name]["after_first_minute"] = resident_mib(pid)
 
-    async with grpc.aio.insecure_channel(stack.orchestrator_address) as channel:
-        stub = pb_grpc.OrchestratorStub(channel)
+    front = Front(stack)
+    try:
         sampler = asyncio.create_task(sample_after_warmup()) if seconds >= WARMUP_SECONDS else None
         restarts: list[str] = []
         kernels = replica_kernels(stack)  # and every replica started in the run
         stop_chaos = asyncio.Event()
         chaos_task = (asyncio.create_task(churn(stack, chaos, CHAOS_SIGNALS[chaos_signal], stop_chaos, restarts,
-                                                kernels)) if chaos else None)
-        await asyncio.gather(*(client(stub) for _ in range(streams)))
+                                                kernels, front if chaos_orchestrators else None))
+                      if chaos else None)
+        await asyncio.gather(*(client(front) for _ in range(streams)))
         if sampler is not None and not sampler.done():
             sampler.cancel()
         if chaos_task is not None:
             stop_chaos.set()
             await chaos_task  # a restart under way finishes first
+    finally:
+        await front.close()
     elapsed = time.monotonic() - t_start
     for name, pid in procs.items():
         memory[name].setdefault("after_first_minute", None)
@@ -330,7 +415,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "errors": sum(tally.errors.values()), "errors_by_code": dict(tally.errors),
         "first_errors": tally.first_error, "tokens": tally.tokens,
         "compared": dict(tally.compared), "differed": tally.differed, "leftovers": left,
-        "restarts": restarts, "chaos_signal": chaos_signal if chaos else None,
+        "restarts": restarts, "chaos_signal": chaos_signal if chaos else None, "redirected": front.redirected,
         "batch_invariant": bool(kernels) and all("batch-invariant" in k for k in kernels.values()),
         "kernels": kernels,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
@@ -370,8 +455,14 @@ def format_report(r: dict) -> str:
              + ("(every replica batch-invariant: they must match)" if r.get("batch_invariant") else
                 "(not every replica batch-invariant: a seeded sample may move with its batch company)"),
              *(f"          {m}" for kind in ("greedy", "seeded") for m in r["differed"][kind][:5]),
-             *([f"chaos     {len(r['restarts'])} replicas stopped with SIG{r['chaos_signal'].upper()} and "
-                f"replaced: " + ", ".join(r["restarts"])] if r["chaos_signal"] else []),
+             *([f"chaos     {len(r['restarts'])} servers stopped (replicas with SIG{r['chaos_signal'].upper()}, "
+                f"orchestrators with SIGTERM) and replaced: " + ", ".join(r["restarts"])]
+               if r["chaos_signal"] else []),
+             *(["kernels   not batch-invariant: " + ", ".join(f"{name} {k}" for name, k in r["kernels"].items()
+                                                          if "batch-invariant" not in k)]
+               if r.get("kernels") and not r.get("batch_invariant") else []),
+             *([f"redirected {r['redirected']} calls refused by an orchestrator shutting down, sent to another"]
+               if r.get("redirected") else []),
              "left over " + (", ".join(f"{name} {n}" for name, n in r["leftovers"].items())
                              if r["leftovers"] else "no session handle or cache beyond those there before"),
              "",

@@ -22,25 +22,29 @@ def test_a_short_soak_through_every_kind_of_request_leaves_nothing_behind(local_
 
 
 @pytest.mark.parametrize("chaos_signal", ["kill", "term"])
-def test_replicas_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths, chaos_signal):
+def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths, chaos_signal):
     """Two replicas a pool; one stopped every few seconds, the pools in turn (killed, or
     drained as a rolling update does), and a new one started in its place: no error, the
     same tokens for every repeated greedy request (and seeded one, where every replica is
-    batch-invariant, as the bundled pair is here), and nothing left over. With drains, one CI run had requests fail
-    UNAVAILABLE for most of the run and a session left over, not understood; since then
-    stops no longer hang on a dropped cancellation and a pool whose every replica failed a
-    call is tried again (benchmarks/HISTORY.md, "Soaks with chaos", "Drains that hung").
-    A failure now carries the servers' logs."""
+    batch-invariant, as the bundled pair is here), and nothing left over. With drains, the
+    stack's two orchestrators take their turn too (a rolling update of every Deployment),
+    the clients sending a call refused by one shutting down to the other. With drains, one
+    CI run had requests fail UNAVAILABLE for most of the run and a session left over, not
+    understood; since then stops no longer hang on a dropped cancellation and a pool whose
+    every replica failed a call is tried again (benchmarks/HISTORY.md, "Soaks with chaos",
+    "Drains that hung"). A failure carries the servers' logs."""
     from tests.stacks import started_stack, stopped
 
-    stack = started_stack(drafts=2, targets=2)
+    drains = chaos_signal == "term"
+    stack = started_stack(drafts=2, targets=2, orchestrators=2 if drains else 1)
     try:
-        report = asyncio.run(soak(stack, streams=4, seconds=30, max_new_tokens=24, chaos=4.0,
-                                  chaos_signal=chaos_signal))
+        report = asyncio.run(soak(stack, streams=4, seconds=36 if drains else 30, max_new_tokens=24, chaos=4.0,
+                                  chaos_signal=chaos_signal, chaos_orchestrators=drains))
         # the servers' logs go with a failure: the stack's files are gone once it stops
         diagnosis = "" if passed(report) else stack.diagnostics(lines=60)
     finally:
         stopped(stack)
     assert passed(report), format_report(report) + "\n" + diagnosis
-    assert len(report["restarts"]) >= 2  # a target and a draft at least
+    stopped_kinds = {r.split("@")[0] for r in report["restarts"]}
+    assert stopped_kinds >= ({"target", "draft", "orchestrator"} if drains else {"target", "draft"}), report["restarts"]
     assert report["compared"]["greedy"] >= 20
