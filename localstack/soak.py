@@ -455,8 +455,9 @@ def format_report(r: dict) -> str:
              + ("(every replica batch-invariant: they must match)" if r.get("batch_invariant") else
                 "(not every replica batch-invariant: a seeded sample may move with its batch company)"),
              *(f"          {m}" for kind in ("greedy", "seeded") for m in r["differed"][kind][:5]),
-             *([f"chaos     {len(r['restarts'])} servers stopped (replicas with SIG{r['chaos_signal'].upper()}, "
-                f"orchestrators with SIGTERM) and replaced: " + ", ".join(r["restarts"])]
+             *([f"chaos     {len(r['restarts'])} servers stopped (replicas with SIG{r['chaos_signal'].upper()}"
+                + (", orchestrators with SIGTERM" if any(x.startswith("orchestrator") for x in r["restarts"]) else "")
+                + ") and replaced: " + ", ".join(r["restarts"])]
                if r["chaos_signal"] else []),
              *(["kernels   not batch-invariant: " + ", ".join(f"{name} {k}" for name, k in r["kernels"].items()
                                                           if "batch-invariant" not in k)]
