@@ -440,6 +440,7 @@ class Generator:
             # this call holds the whole session, so it writes it again rather than fail
             log.warning("session %s: its handle was gone at a round's commit; written again whole",
                         gen.handle.session_id)
+            metrics.HANDLES_REWRITTEN.inc()
             await self.store.save(gen.handle)
         stats.redis_ms += (time.perf_counter() - t0) * 1000
         await emit(text, new)

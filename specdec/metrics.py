@@ -78,6 +78,12 @@ REDIS_COMMIT_BATCH = Histogram("specdec_redis_commit_batch_size",
                                "Round commits sent to Redis in one write (the commits of one event-loop turn)",
                                buckets=(1, 2, 4, 8, 16, 32, 64))
 FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after a replica failed", ["pool"])
+SESSION_CONFLICTS = Counter("specdec_session_conflicts_total",
+                            "Calls that found their session held by another call: refused at the start "
+                            "(in_use) or at a round's commit, after their lease lapsed (taken_over)", ["reason"])
+HANDLES_REWRITTEN = Counter("specdec_session_handles_rewritten_total",
+                            "Session handles gone from Redis at a round's commit (Redis lost writes) and "
+                            "written again whole by the call holding the session")
 
 # every process
 GC_PAUSE_SECONDS = Histogram("specdec_gc_pause_seconds", "Pause of each cyclic garbage collection", ["generation"],

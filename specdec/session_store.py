@@ -24,6 +24,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from specdec import metrics
 from specdec.commit_batch import CommitBatcher
 from specdec.errors import SessionBusy, SessionNotFound, Unavailable
 from specdec.retry import RetryWindow
@@ -176,6 +177,7 @@ class SessionStore:
         call took the session over."""
         reply = await self._commits.submit(commit.keys, commit.args)
         if reply == TAKEN:
+            metrics.SESSION_CONFLICTS.labels("taken_over").inc()
             session_id = commit.keys[0][len(PREFIX):]
             raise SessionBusy(f"session {session_id} was taken over by another call while this one went "
                               f"{self.lease_ms / 1000:g} s or more without a round (the session lease); "
@@ -217,6 +219,7 @@ class SessionStore:
         SessionNotFound where there is none. Locked before it is read, so that the handle
         read is the one the last call left, not one a call still running will change."""
         if not await self.try_lock(session_id, owner):
+            metrics.SESSION_CONFLICTS.labels("in_use").inc()
             try:
                 left = max(0.0, await self.redis.pttl(self._lock_key(session_id)) / 1000)
             except RedisError:

@@ -6,18 +6,30 @@ handle lost mid-generation is written again whole."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 
 import grpc
 import numpy as np
 import pytest
 
+from localstack.stack import free_port, scrape_metrics
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, redis_client, request, session_keys
 
 pytestmark = pytest.mark.e2e
 LONG = 1024  # greedy target-only from "def main(": about 2 s here, no end of text before it
 ABORTED = grpc.StatusCode.ABORTED
+
+
+@pytest.fixture(scope="module")
+def metered(local_stack):
+    """An orchestrator of the shared stack with its metrics on: → (address, metrics port)."""
+    port = free_port()
+    rep = local_stack.start_orchestrator(extra=["--metrics-port", str(port)])
+    yield rep.address, port
+    local_stack.orchestrators.remove(rep)
+    local_stack.kill(rep, signal.SIGTERM)
 
 
 def kept_session(stub) -> str:
@@ -44,14 +56,16 @@ def refused(call, req) -> grpc.RpcError:
     return err.value
 
 
-def test_a_session_generating_refuses_a_second_call_and_its_end(local_stack):
-    stub = api(local_stack.orchestrator_address)
+def test_a_session_generating_refuses_a_second_call_and_its_end(local_stack, metered):
+    address, port = metered
+    stub = api(address)
     sid = kept_session(stub)
     before = committed(local_stack, sid)
     streams = long_stream(stub, sid)
     err = refused(stub.Generate, request("x", 4, 0.0, session_id=sid))
     assert "in use by another call" in err.details()
     refused(stub.EndSession, pb.EndSessionRequest(session_id=sid))
+    assert scrape_metrics(port)['specdec_session_conflicts_total{reason="in_use"}'] == 2
     (tokens, last), = streams.join()
     assert len(tokens) == LONG and last.finish_reason == pb.FINISH_REASON_LENGTH  # the refused calls took nothing from it
     assert committed(local_stack, sid) == before + tokens
@@ -97,8 +111,9 @@ def test_a_session_whose_orchestrator_died_is_free_after_the_lease_and_continues
     survivor.EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
 
 
-def test_a_call_whose_session_another_took_stops_without_writing_over_it(local_stack):
-    stub = api(local_stack.orchestrator_address)
+def test_a_call_whose_session_another_took_stops_without_writing_over_it(local_stack, metered):
+    address, port = metered
+    stub = api(address)
     sid = kept_session(stub)
     client = redis_client(local_stack)
     lock = f"specdec:session:{sid}:lock"
@@ -110,14 +125,16 @@ def test_a_call_whose_session_another_took_stops_without_writing_over_it(local_s
     assert "taken over by another call" in result.details()
     assert int(client.hget(f"specdec:session:{sid}", "length")) == length  # nothing written after
     assert client.get(lock) == b"another-call"  # and its end did not free the other's hold
+    assert scrape_metrics(port)['specdec_session_conflicts_total{reason="taken_over"}'] == 1
     client.delete(lock)
     stub.EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
 
 
-def test_a_handle_lost_mid_generation_is_written_again_whole(local_stack):
+def test_a_handle_lost_mid_generation_is_written_again_whole(local_stack, metered):
     """As after a Redis that lost its last second of writes: before, the next commit wrote
     the handle back as zero tokens up to its round's place."""
-    stub = api(local_stack.orchestrator_address)
+    address, port = metered
+    stub = api(address)
     sid = kept_session(stub)
     before = committed(local_stack, sid)
     streams = long_stream(stub, sid)
@@ -125,4 +142,5 @@ def test_a_handle_lost_mid_generation_is_written_again_whole(local_stack):
     (tokens, last), = streams.join()
     assert len(tokens) == LONG
     assert committed(local_stack, sid) == before + tokens
+    assert scrape_metrics(port)["specdec_session_handles_rewritten_total"] == 1
     stub.EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
