@@ -25,6 +25,9 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
     mistyped setting in a manifest is a usage error naming the variable, not a traceback
     from deep in start-up."""
     args = ap.parse_args(argv)
+    idle = getattr(args, "session_idle_seconds", 0)
+    if not 0 <= idle < float("inf"):
+        ap.error(f"--session-idle-seconds must be a finite number of seconds, 0 (never) or more, got {idle}")
     for action in ap._actions:  # argparse keeps no public list of a parser's flags
         value = getattr(args, action.dest, None)
         if action.choices is None or value is None or value in action.choices or value != action.default:
@@ -97,7 +100,8 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                     help="auto (fp32 on CPU, bf16 on GPU)|float32|bfloat16|float16 [SPECDEC_DTYPE]")
     ap.add_argument("--linear-kernels", choices=("auto", "aten", "onednn", "half"), default=env("LINEAR_KERNELS", "auto"),
                     help="matrix products on a CPU: auto (time the kernels this machine has at start and keep "
-                         "the fastest per row count), aten (F.linear: MKL), onednn (packed once), half "
+                         "one for every row count: the batch-invariant half unless another is clearly faster; "
+                         "specdec/linear_kernels.py), aten (F.linear: MKL), onednn (packed once), half "
                          "(16-bit weights where that loses nothing); a GPU always uses F.linear under auto "
                          "[SPECDEC_LINEAR_KERNELS]")
     ap.add_argument("--attention", choices=("auto", "native", "sdpa"), default=env("ATTENTION", "auto"),
@@ -105,6 +109,11 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                          "of a layer in one C++ call) or sdpa (torch's, per session) [SPECDEC_ATTENTION]")
     ap.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 256)),
                     help="sessions held before LRU eviction of idle ones [SPECDEC_MAX_SESSIONS]")
+    ap.add_argument("--session-idle-seconds", type=float, default=float(env("SESSION_IDLE_SECONDS", 600)),
+                    help="release a session's cache once it has been idle this long (default 600, the "
+                         "orchestrators' --session-ttl: by then its handle has expired and no call can "
+                         "continue it; what an orchestrator that died, or a lost Release, leaves behind); "
+                         "0 = never [SPECDEC_SESSION_IDLE_SECONDS]")
     ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),
                     help="KV-cache bytes held before LRU eviction, 0 = no limit [SPECDEC_MAX_CACHE_MB]")
     ap.add_argument("--max-batch", type=int, default=int(env("MAX_BATCH", 64)), help="sessions per engine batch [SPECDEC_MAX_BATCH]")

@@ -19,6 +19,8 @@ BATCH_HOLD_SECONDS = Histogram("specdec_batch_hold_seconds",
                                "Time a batch was held for sessions of the last batches (held batches only)",
                                ["pool"], buckets=LATENCY_BUCKETS)
 EVICTIONS = Counter("specdec_replica_evictions_total", "Idle sessions evicted (LRU)", ["pool"])
+EXPIRED = Counter("specdec_replica_sessions_expired_total",
+                  "Sessions released after --session-idle-seconds without a call", ["pool"])
 
 # orchestrator
 REQUESTS = Counter("specdec_requests_total", "Generation requests by outcome", ["method", "code"])

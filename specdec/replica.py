@@ -110,8 +110,20 @@ class ReplicaHost:
             self._evictions.inc(evictions - self._evictions_seen)
             self._evictions_seen = evictions
 
+    def _expire_idle(self) -> None:
+        """Sessions idle past --session-idle-seconds released, on the event loop between two
+        batches: a batch on the worker thread may be using the table (`busy`)."""
+        limit = getattr(self.args, "session_idle_seconds", 0)
+        if limit > 0 and not self.batcher.busy:
+            n = self.engine.sessions.expire_idle(limit)
+            if n:
+                metrics.EXPIRED.labels(self.pool).inc(n)
+                log.info("released %d session(s) idle for more than %.0fs", n, limit)
+
     def info(self) -> ReplicaInfo:
-        """The load this replica reports to the registry (every heartbeat); the gauges too."""
+        """The load this replica reports to the registry (every heartbeat, which first
+        releases the sessions idle too long); the gauges too."""
+        self._expire_idle()
         s = self.engine.sessions
         metrics.REPLICA_SESSIONS.labels(self.pool).set(len(s))
         metrics.REPLICA_CACHE_BYTES.labels(self.pool).set(s.cache_bytes)

@@ -1,4 +1,5 @@
-"""The per-replica table of session KV caches: epochs, expected lengths, LRU eviction.
+"""The per-replica table of session KV caches: epochs, expected lengths, LRU eviction,
+idle expiry.
 
 Every call names (session, epoch, start): the cache must hold exactly `start` positions
 (target), or at least that many (draft, whose cache runs ahead by design), before the
@@ -39,6 +40,7 @@ class SessionTable:
         self.max_cache_bytes = max_cache_bytes  # 0 = unbounded
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.evictions = 0
+        self.expired = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -119,6 +121,23 @@ class SessionTable:
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
+
+    def expire_idle(self, max_idle: float, now: float | None = None) -> int:
+        """Release the sessions idle for longer than `max_idle` seconds; → how many. The
+        table is in order of last use, so this looks at the expired ones and one more. An
+        orchestrator that dies, or a Release that is lost, leaves a cache no call will use
+        again: until evicted for room it would hold memory and count in the replica's load,
+        which routing and autoscaling read."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        while self._sessions:
+            sid, sess = next(iter(self._sessions.items()))
+            if now - sess.last_used <= max_idle:
+                break
+            del self._sessions[sid]
+            n += 1
+        self.expired += n
+        return n
 
     def length(self, session_id: str) -> int | None:
         sess = self._sessions.get(session_id)

@@ -144,3 +144,29 @@ def test_a_handle_lost_mid_generation_is_written_again_whole(local_stack, metere
     assert committed(local_stack, sid) == before + tokens
     assert scrape_metrics(port)["specdec_session_handles_rewritten_total"] == 1
     stub.EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
+
+
+def test_a_replica_releases_a_cache_left_idle_past_its_limit(local_stack, tokenizer):
+    """What an orchestrator that died leaves on the replicas: caches no call will use again,
+    counted in the load that routing and autoscaling read, until evicted for room."""
+    from specdec.internal.v1 import replica_pb2 as rpb
+    from specdec.internal.v1 import replica_pb2_grpc as rpb_grpc
+    from tests.e2e.helpers import load_report
+
+    rep = local_stack.start_replica("target", extra=["--session-idle-seconds", "1"])
+    try:
+        channel = grpc.insecure_channel(rep.address)
+        prompt = tokenizer("def main(")["input_ids"]
+        cache = rpb.CacheRef(session_id="orphan", epoch=1, start=0, tokens=prompt)
+        rpb_grpc.TargetStub(channel).Verify(rpb.VerifyRequest(cache=cache, sampling=rpb.SamplingParams(temperature=0.0, top_p=1.0)),
+                                            timeout=30)
+        assert load_report(rep.address, "target").sessions == 1
+        deadline = time.monotonic() + 10  # idle 1 s, then the next heartbeat (every 2 s)
+        while load_report(rep.address, "target").sessions and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert load_report(rep.address, "target").sessions == 0
+        assert "released 1 session(s) idle" in "\n".join(local_stack.log_tail(rep, 20))
+        channel.close()
+    finally:
+        local_stack.replicas.remove(rep)
+        local_stack.kill(rep, signal.SIGTERM)
