@@ -49,3 +49,11 @@ def test_a_replica_that_cannot_start_says_why_in_one_line(flags, words):
     done = _start("draft_service", *flags)
     assert done.returncode == 1
     assert words in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_idle_limit_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--session-idle-seconds", value])
+    assert exit_.value.code == 2
+    assert "--session-idle-seconds must be a finite number of seconds, 0 (never) or more" in capsys.readouterr().err
