@@ -59,6 +59,8 @@ SEEDS = 3  # seeded requests reuse this many seeds per prompt, so that each repe
 WARMUP_SECONDS = 60.0
 SETTLE_SECONDS = 15.0  # how long the leftover check waits for releases still on their way
 CHAOS_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+REDIRECTS = 3  # times a call refused by an orchestrator shutting down is sent to another
+ENDPOINTS_LAG_S = 0.5  # how long calls still go to an orchestrator after its SIGTERM
 
 
 def resident_mib(pid: int) -> float | None:
@@ -121,7 +123,7 @@ def consistency_key(req: pb.GenerateRequest) -> tuple | None:
 
 class Front:
     """The clients' way in: a channel to each orchestrator of the stack, each call sent to
-    the next one serving. `refused` says which failures a retry policy would hide:
+    the next one serving. `redirect` says which failures a retry policy would hide:
     UNAVAILABLE before the call did anything, from an orchestrator shutting down (its
     refusal, or no connection once it is gone)."""
 
@@ -146,10 +148,15 @@ class Front:
             self.channels[address] = grpc.aio.insecure_channel(address)
         return address, pb_grpc.OrchestratorStub(self.channels[address])
 
-    def refused(self, address: str, exc: grpc.aio.AioRpcError) -> bool:
+    def redirect(self, address: str, exc: grpc.aio.AioRpcError, attempt: int) -> bool:
+        """Whether a call that failed so, before any answer, goes to another orchestrator
+        (counted), which it does at most REDIRECTS times."""
         details = exc.details() or ""
-        return exc.code() == grpc.StatusCode.UNAVAILABLE and (
-            "shutting down" in details or "failed to connect" in details or address in self.drained)
+        if attempt >= REDIRECTS or exc.code() != grpc.StatusCode.UNAVAILABLE or not (
+                "shutting down" in details or "failed to connect" in details or address in self.drained):
+            return False
+        self.redirected += 1
+        return True
 
     async def close(self) -> None:
         for channel in self.channels.values():
@@ -205,10 +212,6 @@ def how_it_ran(stats: pb.GenerationStats | None, session: str | None = None) -> 
             + (f", session {session}" if session else ""))
 
 
-REDIRECTS = 3  # times a call refused by an orchestrator shutting down is sent to another
-ENDPOINTS_LAG_S = 0.5  # how long calls still go to an orchestrator after its SIGTERM
-
-
 async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeout: float,
                       cancel_after_first: bool = False) -> str | None:
     """One GenerateStream; → its session id (None when it failed or was cancelled)."""
@@ -231,8 +234,7 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
-            if last is None and attempt < REDIRECTS and front.refused(address, exc):
-                front.redirected += 1
+            if last is None and front.redirect(address, exc, attempt):
                 continue
             tally.fail(exc.code().name, exc)
             return None
@@ -251,8 +253,7 @@ async def end_session(front: Front, session: str, tally: Tally, timeout: float) 
             await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
             return
         except grpc.aio.AioRpcError as exc:
-            if attempt < REDIRECTS and front.refused(address, exc):
-                front.redirected += 1
+            if front.redirect(address, exc, attempt):
                 continue
             tally.fail(f"EndSession {exc.code().name}", exc)
             return

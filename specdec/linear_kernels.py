@@ -16,9 +16,10 @@ streaming its weight costs. The kernels:
   (2.5 ms at one row, 3.2 at five).
 
 Which wins where depends on the CPU, so a runner times the kernels it has on its own
-weights at start-up (`calibrate`) and keeps one kernel for every row count, the fastest
-over all of them, and another at a range only where it is more than twice as fast there
-(`choose`). The kernels round differently in the last bits; each gives the model's numbers
+weights at start-up (`calibrate`) and keeps one kernel for every row count: the compact,
+batch-invariant one unless another takes under INVARIANT_MARGIN of its time, else the
+fastest over all of them, and another at a range only where it is more than twice as fast
+there (`choose`). The kernels round differently in the last bits; each gives the model's numbers
 to float precision (tests/specdec/test_linear_kernels.py), and speculation's output law does not
 depend on which one ran.
 """
