@@ -26,7 +26,8 @@ from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
-                             stop=args.stop or [], session_id=args.session_id or "", keep_session=args.keep_session)
+                             stop=args.stop or [], session_id=args.session_id or "", keep_session=args.keep_session,
+                             request_id=args.request_id or "")
     req.temperature = args.temperature
     if args.top_p is not None:
         req.top_p = args.top_p
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", action="append", help="stop before this string (repeatable)")
     ap.add_argument("--session-id", help="continue this session (kept by an earlier call)")
     ap.add_argument("--keep-session", action="store_true", help="keep the session for a later call")
+    ap.add_argument("--request-id", help="makes a retry safe: the same command with the same id continues (or "
+                                         "repeats) the answer of an earlier attempt instead of starting again")
     ap.add_argument("--end-session", metavar="ID", help="end this kept session, releasing its caches, and exit "
                     "(no prompt)")
     ap.add_argument("--json", action="store_true", help="print the whole response as one JSON object when it "

@@ -19,21 +19,22 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 
-from orchestrator import round_book
+from orchestrator import request_ids, round_book
 from orchestrator.draft_waits import DraftWaits
 from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.governor import LoadGovernor
-from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Outcome, Proposal, Round,
+from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Opened, Outcome, Proposal, Round,
                                      Stats)
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
 from specdec import metrics, rounds
-from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
+from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestSuperseded, Unavailable
 from specdec.internal.v1 import replica_pb2
 from specdec.session_store import RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
@@ -68,6 +69,9 @@ DRAFT_WAIT_S = 0.25
 # over a whole long prompt holds every other session in it for as long (about 1 s for
 # 2,000 tokens on the bundled target here), a chunk only for its share
 PREFILL_CHUNK = 256
+# a whole answer to a request with an id, on a session not kept, stays in Redis this many
+# seconds (its handle, without caches), so that a retry whose answer was lost gets it again
+RETRY_WINDOW_S = 120
 
 
 class Generator:
@@ -80,7 +84,7 @@ class Generator:
                  calls: str = "mux", overlap_forks: int = OVERLAP_FORKS,
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
                  governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -94,24 +98,31 @@ class Generator:
         self.active = 0  # generations in flight in this process: the governor's load
         self._closing: set[asyncio.Task] = set()  # generations' ends still releasing their sessions
         self.prefill_chunk = prefill_chunk  # tokens a call feeds at most before the round's own (0: no limit)
+        self.retry_window = retry_window  # seconds a request id's whole answer stays for its retries
         self.waits = DraftWaits(draft_wait)
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
                                    overlap_min_hit, overlap_min_use, overlap_forks)
 
     # ----------------------------------------------------------------- session set-up
-    async def _open(self, req: GenerationRequest, owner: str) -> SessionHandle:
+    async def _open(self, req: GenerationRequest, owner: str) -> Opened:
         """The session's handle, held by this call (`SessionStore.acquire`) until `_close`,
-        the request's prompt appended and saved. A call refused here leaves the session
-        free."""
-        if req.session_id:
-            handle = await self.store.acquire(req.session_id, owner)
-        else:
-            target = await self.pools.require("target")
-            draft = await self.pools.pick("draft") or ""
-            handle = SessionHandle(self.store.new_id(), draft, target, 1, [], owner=owner)
-            await self.store.try_lock(handle.session_id, owner)
+        the request's prompt appended and saved, or found appended by an earlier attempt
+        of the same request id (`request_ids`): a retry appends nothing. A call refused
+        here leaves the session free."""
+        named = req.session_id or (request_ids.session_for(req.request_id) if req.request_id else "")
+        handle = await self.store.acquire(named, owner, create=not req.session_id) if named else None
         try:
+            if handle is None:
+                target = await self.pools.require("target")
+                draft = await self.pools.pick("draft") or ""
+                handle = SessionHandle(named or self.store.new_id(), draft, target, 1, [], owner=owner)
+                if not named:
+                    await self.store.try_lock(handle.session_id, owner)
+            mark = request_ids.find(self._marks(handle), req.request_id) if req.request_id else None
+            if mark is not None:
+                return self._retried(req, handle, mark)
+            before = len(handle.committed)
             handle.committed.extend(req.prompt_ids)
             if not handle.committed:
                 raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
@@ -120,11 +131,49 @@ class Generator:
                                      f"leaves no room in the model context of {self.max_len} tokens")
             handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
                              "top_p": req.params.top_p, "seed": req.params.seed}
+            if req.request_id or handle.requests:  # saved with the prompt in one write: a retry finds both or neither
+                marks = request_ids.record(self._marks(handle), req.request_id, req.fingerprint, before,
+                                           len(handle.committed))
+                handle.requests = [m.to_list() for m in marks]
             await self.store.save(handle)
         except BaseException:
-            await self.store.unlock(handle.session_id, owner)
+            if handle is not None or named:
+                await self.store.unlock(handle.session_id if handle else named, owner)
             raise
-        return handle
+        return Opened(handle, len(handle.committed))
+
+    @staticmethod
+    def _marks(handle: SessionHandle) -> list[request_ids.RequestMark]:
+        return [request_ids.RequestMark.from_list(item) for item in handle.requests]
+
+    @staticmethod
+    def _retried(req: GenerationRequest, handle: SessionHandle, mark: request_ids.RequestMark) -> Opened:
+        """A request an earlier call with the same id began: the same fields, or refused."""
+        if mark.fingerprint != req.fingerprint:
+            raise InvalidRequest(f"request_id {req.request_id!r} was used for a different request on this session "
+                                 "(its prompt or parameters differ); a new request needs a new id")
+        older = mark.end >= 0
+        return Opened(handle, mark.start, request_ids.answer(handle.committed, mark), retry=True, older=older)
+
+    async def _replay(self, gen: Generation, req: GenerationRequest, opened: Opened, emit: Emit) -> str | None:
+        """A retried request's answer so far, to the client first → its finish reason where
+        it is already whole, else None (the loop generates the rest)."""
+        tokens = opened.resumed
+        if not opened.retry:
+            return None
+        text = gen.text.push(tokens)[0] if tokens else ""
+        reason = "stop" if gen.text.stopped else request_ids.finished(
+            tokens, req.max_new_tokens, self.eos_id, opened.start + len(tokens), self.max_len)
+        if reason is None and opened.older:
+            raise RequestSuperseded(
+                f"request {req.request_id!r} was cut short after {len(tokens)} tokens and session "
+                f"{gen.handle.session_id} has gone on to another request since; its answer cannot be continued")
+        metrics.REQUESTS_RESUMED.labels("answered" if reason else "continued").inc()
+        gen.stats.resumed = len(tokens)
+        if tokens:
+            await emit(text, list(tokens))
+            gen.stats.first_token_ms = (time.perf_counter() - gen.stats.started) * 1000
+        return reason
 
     # ----------------------------------------------------------------- one call each
     def _timeout(self, deadline: float | None) -> float:
@@ -252,17 +301,23 @@ class Generator:
     async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
         t_start = time.perf_counter()
         owner = uuid.uuid4().hex  # this call, as the holder of its session's lease
-        handle = await self._open(req, owner)
-        gen = self._begin(req, handle, deadline)
+        opened = await self._open(req, owner)
+        handle = opened.handle
+        if opened.retry:  # the first attempt's seed, drawn where the client gave none
+            req = replace(req, params=replace(req.params, seed=int(handle.params.get("seed", req.params.seed))))
+        gen = self._begin(req, handle, deadline, opened.start)
         gen.stats.started = t_start
-        generated, reason = [], "length"
+        generated, reason, done = list(opened.resumed), "length", False
+        ok = False  # the answer is whole: a request id's session not kept is released
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
         pending: asyncio.Future | None = None  # the previous round's commit, then its emit
         release: asyncio.Event | None = None  # lets that commit go (_finish_round)
         metrics.ACTIVE_SESSIONS.inc()
         self.active += 1
         try:
-            while len(generated) < req.max_new_tokens:
+            finish = await self._replay(gen, req, opened, emit)
+            reason, done = finish or reason, finish is not None
+            while not done and len(generated) < req.max_new_tokens:
                 t_round, calls_before = time.perf_counter(), gen.stats.draft_ms + gen.stats.verify_ms
                 active = self.active
                 if gen.governed:
@@ -293,7 +348,8 @@ class Generator:
                              gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
                              gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
                 gen.calls.clear()
-                release, pending = self._end_round(gen, book, new, out_text, emit, first=len(generated) == len(new))
+                release, pending = self._end_round(gen, book, new, out_text, emit,
+                                                   first=len(generated) == len(opened.resumed) + len(new))
                 if reason in ("eos", "stop"):
                     break
             if pending is not None:
@@ -302,6 +358,7 @@ class Generator:
             tail = gen.text.flush()
             if tail:
                 await emit(tail, [])
+            ok = True
         finally:
             gen.closed = True
             if release is not None:
@@ -310,15 +367,16 @@ class Generator:
             self.active -= 1
             # shielded: a second cancellation (the server's deadline firing while the loop
             # winds down) must not cut the release of the caches short
-            closing = asyncio.ensure_future(self._close(handle, req, owner, pending, gen.links, gen.late))
+            closing = asyncio.ensure_future(self._close(handle, req, owner, pending, gen.links, gen.late, ok))
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
             await asyncio.shield(closing)
-        metrics.TOKENS.inc(len(generated))
+        metrics.TOKENS.inc(len(generated) - len(opened.resumed))
         return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
                        handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
 
-    def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None) -> Generation:
+    def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None,
+               prompt_len: int) -> Generation:
         p = req.params
         return Generation(
             handle, deadline, SessionLinks(self.pools, self.calls), Stats(),
@@ -326,7 +384,7 @@ class Generator:
             TextStream(self.tokenizer, req.stop),
             replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
-            len(handle.committed), time.monotonic())
+            prompt_len, time.monotonic())
 
     async def _probe_draft_pool(self, gen: Generation) -> None:
         """A session decoding target-only for want of a draft replica looks for one again
@@ -449,7 +507,7 @@ class Generator:
 
     async def _close(self, handle: SessionHandle, req: GenerationRequest, owner: str,
                      pending: asyncio.Future | None = None, links: SessionLinks | None = None,
-                     late: asyncio.Task | None = None) -> None:
+                     late: asyncio.Task | None = None, whole: bool = False) -> None:
         """Ephemeral sessions are released on both replicas and their handle deleted;
         kept sessions are unlocked for the next call. A round's commit still in flight
         (the loop ended by an error or a cancellation) lands first, so that it cannot
@@ -470,10 +528,10 @@ class Generator:
             else:
                 await links.close()
         keep = req.keep_session or bool(req.session_id)
-        if keep:
+        if keep or req.request_id and not whole:  # a request id's cut answer: kept, caches and all, for its retry
             await self.store.unlock(handle.session_id, owner)
             return
-        await self.release(handle, draft_in_background=draft_late)
+        await self.release(handle, draft_in_background=draft_late, keep_handle=bool(req.request_id))
 
     async def wind_down(self, timeout: float) -> int:
         """After the server's stop: wait up to `timeout` for the generations it cut short
@@ -490,7 +548,11 @@ class Generator:
             await asyncio.wait(ends, timeout=max(0.0, deadline - time.monotonic()))
         return sum(not end.done() for end in ends)
 
-    async def release(self, handle: SessionHandle, draft_in_background: bool = False) -> None:
+    async def release(self, handle: SessionHandle, draft_in_background: bool = False,
+                      keep_handle: bool = False) -> None:
+        """Release the session's caches on both replicas and delete its handle; or, with
+        `keep_handle` (a request id's answer, whole), keep the handle for `retry_window`
+        seconds with no replica, so that a retry whose answer got lost is answered from it."""
         async def release_on(kind: str, address: str) -> None:
             if not address:
                 return
@@ -509,6 +571,11 @@ class Generator:
 
         await asyncio.gather(release_draft(), release_on("target", handle.target_replica))
         try:
-            await self.store.delete(handle.session_id)
+            if keep_handle:
+                handle.draft_replica, handle.target_replica, handle.cursor = "", "", rounds.Cursor()
+                await self.store.save(handle, ttl=self.retry_window)
+                await self.store.unlock(handle.session_id, handle.owner)
+            else:
+                await self.store.delete(handle.session_id)
         except Unavailable:
             pass  # the handle expires by TTL

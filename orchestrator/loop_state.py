@@ -27,6 +27,8 @@ class GenerationRequest:
     gamma: int | None = None  # None: adaptive
     keep_session: bool = False
     seeded: bool = False  # the client chose the seed: its output must be reproducible
+    request_id: str = ""  # makes a retry continue the first attempt (orchestrator/request_ids.py)
+    fingerprint: str = ""  # the request's fields but its id, hashed: a retry must match them
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Stats(LoopStats):
     overlap_hits: int = 0
     started: float = 0.0  # perf_counter at the request's start
     first_token_ms: float = 0.0  # from the start until the first tokens were handed to the client (0: none yet)
+    resumed: int = 0  # the answer's tokens earlier attempts of the same request_id committed
 
 
 @dataclass
@@ -55,6 +58,17 @@ class Outcome:
 
 
 Emit = Callable[[str, list[int]], Awaitable[None]]
+
+
+@dataclass
+class Opened:
+    """A session held by a call, its request's prompt appended (or found appended by an
+    earlier attempt of the same request_id)."""
+    handle: SessionHandle
+    start: int  # where the request's answer begins in the committed tokens
+    resumed: list[int] = field(default_factory=list)  # the answer earlier attempts committed
+    retry: bool = False  # an earlier attempt of this request_id appended the prompt
+    older: bool = False  # the session has gone on to another request since: the answer cannot grow
 
 
 @dataclass

@@ -13,7 +13,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome
+from orchestrator.generation import (DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, RETRY_WINDOW_S,
+                                    STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome)
 from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.round_stream import CALL_MODES
@@ -40,11 +41,11 @@ def stats_pb(out: Outcome) -> pb.GenerationStats:
     return pb.GenerationStats(
         rounds=s.rounds, drafted_tokens=s.drafted, accepted_tokens=s.accepted, target_forward_passes=s.target_passes,
         acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
-        tokens_per_target_pass=len(out.tokens) / s.target_passes if s.target_passes else 0.0,
+        tokens_per_target_pass=(len(out.tokens) - s.resumed) / s.target_passes if s.target_passes else 0.0,
         prompt_tokens=out.prompt_tokens, generated_tokens=len(out.tokens), seed=out.seed,
         draft_replica=out.draft_replica, target_replica=out.target_replica,
         mean_gamma=s.gamma_sum / s.rounds if s.rounds else 0.0, replica_failovers=s.failovers,
-        wire_bytes=s.wire_bytes, overlap_hits=s.overlap_hits, rounds_rejected=s.rejections,
+        wire_bytes=s.wire_bytes, overlap_hits=s.overlap_hits, rounds_rejected=s.rejections, resumed_tokens=s.resumed,
         times=pb.StageTimes(draft_ms=s.draft_ms, verify_ms=s.verify_ms, redis_ms=s.redis_ms,
                             network_ms=s.network_ms, total_ms=out.total_ms, first_token_ms=s.first_token_ms))
 
@@ -271,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                          f"mid-call is free again after this long; a call that went longer between rounds "
                          f"(a replica hanging for --call-timeout) keeps its session unless another call took "
                          f"it meanwhile [SPECDEC_SESSION_LEASE]")
+    ap.add_argument("--retry-window", type=int, default=int(env("RETRY_WINDOW", RETRY_WINDOW_S)),
+                    help=f"seconds a whole answer to a request with a request_id, on a session not kept, stays "
+                         f"in Redis (default {RETRY_WINDOW_S}): a retry with the same id within it gets the same "
+                         f"answer; a cut answer stays for --session-ttl for its retry to continue "
+                         f"[SPECDEC_RETRY_WINDOW]")
     ap.add_argument("--draft-pool", default=env("DRAFT_POOL", "draft"), help="[SPECDEC_DRAFT_POOL]")
     ap.add_argument("--target-pool", default=env("TARGET_POOL", "target"), help="[SPECDEC_TARGET_POOL]")
     ap.add_argument("--api-token-file", default=env("API_TOKEN_FILE"),
@@ -367,7 +373,7 @@ async def serve(args: argparse.Namespace) -> None:
                           calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
                           call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
-                          prefill_chunk=args.prefill_chunk)
+                          prefill_chunk=args.prefill_chunk, retry_window=args.retry_window)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
     add_servicer(servicer, shell.server)
@@ -415,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--draft-wait-ms must be a finite number of milliseconds, 0 or more, got {args.draft_wait_ms}")
     if not 0 < args.session_lease < math.inf:
         ap.error(f"--session-lease must be a finite number of seconds above 0, got {args.session_lease}")
+    if args.retry_window < 1:
+        ap.error(f"--retry-window must be at least 1 second, got {args.retry_window}")
     if args.session_ttl < 1:
         ap.error(f"--session-ttl must be at least 1 second, got {args.session_ttl}")
     if not 0 <= args.overlap_min_use <= 1:

@@ -5,6 +5,7 @@ import math
 import random
 import re
 
+from orchestrator import request_ids
 from orchestrator.gamma_policy import MAX_GAMMA
 from orchestrator.generation import GenerationRequest
 from specdec.errors import InvalidRequest
@@ -21,6 +22,8 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest("give either prompt or prompt_token_ids, not both")
     if pb.session_id and not SESSION_ID.match(pb.session_id):
         raise InvalidRequest("session_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
+    if pb.request_id and not SESSION_ID.match(pb.request_id):
+        raise InvalidRequest("request_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
     if not pb.prompt and not pb.prompt_token_ids and not pb.session_id:
         raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
     if len(pb.prompt) > MAX_PROMPT_CHARS:
@@ -58,4 +61,13 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                             seed=seed)
     return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
-                             keep_session=pb.keep_session, seeded=pb.HasField("seed"))
+                             keep_session=pb.keep_session, seeded=pb.HasField("seed"),
+                             request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "")
+
+
+def _fingerprint(pb) -> str:
+    """The request's fields but its id: what a retry must repeat to continue it."""
+    fields = type(pb)()
+    fields.CopyFrom(pb)
+    fields.ClearField("request_id")
+    return request_ids.fingerprint(fields.SerializeToString(deterministic=True))

@@ -19,6 +19,11 @@ class CacheMismatch(SpecDecError):
     retried call, or an evicted session (FAILED_PRECONDITION). The caller re-syncs."""
 
 
+class RequestSuperseded(SpecDecError):
+    """A retry of a request cut short whose session has since gone on to another request:
+    its answer cannot grow any more (FAILED_PRECONDITION)."""
+
+
 class Overloaded(SpecDecError):
     """Capacity is exhausted (RESOURCE_EXHAUSTED)."""
 

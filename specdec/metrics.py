@@ -83,6 +83,10 @@ FAILOVERS = Counter("specdec_replica_failovers_total", "Sessions re-homed after 
 SESSION_CONFLICTS = Counter("specdec_session_conflicts_total",
                             "Calls that found their session held by another call: refused at the start "
                             "(in_use) or at a round's commit, after their lease lapsed (taken_over)", ["reason"])
+REQUESTS_RESUMED = Counter("specdec_requests_resumed_total",
+                           "Calls that carried the request_id of an earlier call: continued where its attempts "
+                           "stopped (continued), or answered with what they committed, already whole (answered)",
+                           ["how"])
 HANDLES_REWRITTEN = Counter("specdec_session_handles_rewritten_total",
                             "Session handles gone from Redis at a round's commit (Redis lost writes) and "
                             "written again whole by the call holding the session")

@@ -74,6 +74,9 @@ class SessionHandle:
     cursor: Cursor = field(default_factory=Cursor)
     params: dict = field(default_factory=dict)
     owner: str = ""  # the call holding the session's lease (not stored in the handle)
+    # the requests with ids this session served, as the orchestrator records them
+    # (orchestrator/request_ids.py): written with the whole handle, never by a round's commit
+    requests: list = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -121,16 +124,21 @@ class SessionStore:
     def _lock_key(session_id: str) -> str:
         return PREFIX + session_id + ":lock"
 
-    async def create(self, handle: SessionHandle) -> None:
-        """Write the whole handle (and, where it has an owner, renew that owner's lease)."""
+    async def create(self, handle: SessionHandle, ttl: int | None = None) -> None:
+        """Write the whole handle (and, where it has an owner, renew that owner's lease),
+        to expire after `ttl` seconds (default: the store's)."""
         meta, toks = self._keys(handle.session_id)
+        ttl = self.ttl if ttl is None else ttl
+        fields = _meta(handle)
+        if handle.requests:
+            fields["requests"] = json.dumps(handle.requests)
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(meta, toks)
-                pipe.hset(meta, mapping=_meta(handle))
+                pipe.hset(meta, mapping=fields)
                 pipe.set(toks, _tokens_bytes(handle.committed))
-                pipe.expire(meta, self.ttl)
-                pipe.expire(toks, self.ttl)
+                pipe.expire(meta, ttl)
+                pipe.expire(toks, ttl)
                 if handle.owner:
                     pipe.set(self._lock_key(handle.session_id), handle.owner, px=self.lease_ms)
                 await pipe.execute()
@@ -153,7 +161,7 @@ class SessionStore:
         committed = np.frombuffer(toks, dtype=np.int32)[:length].tolist()
         cursor = Cursor(int(meta["draft_len"]), int(meta["target_len"]), bool(int(meta["target_resync"])))
         return SessionHandle(session_id, meta["draft"], meta["target"], int(meta["epoch"]), committed,
-                             cursor, json.loads(meta["params"]))
+                             cursor, json.loads(meta["params"]), requests=json.loads(meta.get("requests", "[]")))
 
     def round_commit(self, handle: SessionHandle, new_tokens: list[int]) -> RoundCommit:
         """A round's commit as the handle stands *now*: the round's tokens and what the caches
@@ -196,9 +204,9 @@ class SessionStore:
                     raise Unavailable(f"Redis is unavailable: {exc}") from exc
                 await window.wait()
 
-    async def save(self, handle: SessionHandle) -> None:
+    async def save(self, handle: SessionHandle, ttl: int | None = None) -> None:
         """Rewrite a whole handle (after a prompt is appended or the session is re-homed)."""
-        await self.create(handle)
+        await self.create(handle, ttl)
 
     async def delete(self, session_id: str) -> bool:
         try:
@@ -214,10 +222,11 @@ class SessionStore:
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
-    async def acquire(self, session_id: str, owner: str) -> SessionHandle:
+    async def acquire(self, session_id: str, owner: str, create: bool = False) -> SessionHandle | None:
         """The session's handle, held by `owner`: SessionBusy while another call holds it,
-        SessionNotFound where there is none. Locked before it is read, so that the handle
-        read is the one the last call left, not one a call still running will change."""
+        SessionNotFound where there is none (or, with `create`, None with the lock kept, for
+        the caller to create it). Locked before it is read, so that the handle read is the
+        one the last call left, not one a call still running will change."""
         if not await self.try_lock(session_id, owner):
             metrics.SESSION_CONFLICTS.labels("in_use").inc()
             try:
@@ -228,6 +237,11 @@ class SessionStore:
                               f"orchestrator running it stopped, the session is free within {left:.0f} s)")
         try:
             handle = await self.load(session_id)
+        except SessionNotFound:
+            if create:
+                return None
+            await self.unlock(session_id, owner)
+            raise
         except BaseException:
             await self.unlock(session_id, owner)
             raise

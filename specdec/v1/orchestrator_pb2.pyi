@@ -21,7 +21,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "num_speculative_tokens", "keep_session")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "num_speculative_tokens", "keep_session", "request_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEEP_SESSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -44,7 +45,8 @@ class GenerateRequest(_message.Message):
     session_id: str
     num_speculative_tokens: int
     keep_session: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., keep_session: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., keep_session: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class StageTimes(_message.Message):
     __slots__ = ("draft_ms", "verify_ms", "redis_ms", "network_ms", "total_ms", "first_token_ms")
@@ -63,7 +65,7 @@ class StageTimes(_message.Message):
     def __init__(self, draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., redis_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "target_forward_passes", "acceptance_rate", "tokens_per_target_pass", "prompt_tokens", "generated_tokens", "times", "seed", "draft_replica", "target_replica", "mean_gamma", "replica_failovers", "wire_bytes", "overlap_hits", "rounds_rejected")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "target_forward_passes", "acceptance_rate", "tokens_per_target_pass", "prompt_tokens", "generated_tokens", "times", "seed", "draft_replica", "target_replica", "mean_gamma", "replica_failovers", "wire_bytes", "overlap_hits", "rounds_rejected", "resumed_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class GenerationStats(_message.Message):
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
@@ -98,7 +101,8 @@ class GenerationStats(_message.Message):
     wire_bytes: int
     overlap_hits: int
     rounds_rejected: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_target_pass: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., seed: _Optional[int] = ..., draft_replica: _Optional[str] = ..., target_replica: _Optional[str] = ..., mean_gamma: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., rounds_rejected: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_target_pass: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., seed: _Optional[int] = ..., draft_replica: _Optional[str] = ..., target_replica: _Optional[str] = ..., mean_gamma: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., rounds_rejected: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "session_id", "finish_reason", "stats")

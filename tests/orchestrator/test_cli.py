@@ -18,6 +18,7 @@ from orchestrator.server import main
     (["--session-lease", "0"], "--session-lease must be a finite number of seconds above 0, got 0.0"),
     (["--session-lease", "inf"], "--session-lease must be a finite number of seconds above 0, got inf"),
     (["--session-ttl", "0"], "--session-ttl must be at least 1 second, got 0"),
+    (["--retry-window", "0"], "--retry-window must be at least 1 second, got 0"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -21,7 +21,7 @@ def begin(tokenizer, stop=(), store=None):
     prompt = tokenizer(PROMPT)["input_ids"]
     req = GenerationRequest(prompt_ids=prompt, max_new_tokens=64, params=SamplingParams(temperature=0.0),
                             stop=list(stop), gamma=4)
-    return generator, generator._begin(req, SessionHandle("s", "d", "t", 1, list(prompt)), None)
+    return generator, generator._begin(req, SessionHandle("s", "d", "t", 1, list(prompt)), None, len(prompt))
 
 
 def one_round(generator, gen, round_tokens):
