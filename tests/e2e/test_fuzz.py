@@ -22,13 +22,16 @@ int32 = st.integers(-2**31, 2**31 - 1)
 small_or_any = lambda lo, hi: st.one_of(st.integers(lo, hi), int32)  # noqa: E731
 floats = st.floats(width=32)  # NaN, ±inf, subnormals, huge and tiny values included
 session_ids = st.one_of(st.just(""), st.text(max_size=140), st.from_regex(r"[A-Za-z0-9_.:-]{1,128}", fullmatch=True))
+# a few ids drawn again and again: retries, with the same fields or others
+request_ids = st.one_of(st.just(""), st.text(max_size=140), st.sampled_from(["r1", "r2", "r3"]))
 
 
 @st.composite
 def any_request(draw) -> pb.GenerateRequest:
     """Every field drawn at random, in or out of range, set or not."""
     r = pb.GenerateRequest(max_new_tokens=draw(small_or_any(-2, MAX_NEW_TOKENS + 2)), top_k=draw(small_or_any(-2, 50)),
-                           session_id=draw(session_ids), keep_session=draw(st.booleans()))
+                           session_id=draw(session_ids), keep_session=draw(st.booleans()),
+                           request_id=draw(request_ids))
     if draw(st.booleans()):
         r.prompt = draw(st.text(max_size=200))
     if draw(st.booleans()):
@@ -98,12 +101,12 @@ def call(state, method: str, payload) -> tuple[grpc.StatusCode, str, list]:
 
 
 def wants_kept(payload) -> bool:
-    if not isinstance(payload, bytes):
-        return payload.keep_session
+    """Kept sessions, and a request id's session, kept (without caches) for its retries."""
     try:
-        return pb.GenerateRequest.FromString(payload).keep_session
+        req = payload if not isinstance(payload, bytes) else pb.GenerateRequest.FromString(payload)
     except Exception:
         return False
+    return req.keep_session or bool(req.request_id)
 
 
 def check_one(state, case) -> None:
