@@ -74,7 +74,7 @@ def cmd_loadtest(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    from localstack.soak import passed, soak
+    from localstack.soak import passed, soak, stack_env
 
     if args.chaos is not None and args.chaos <= 0:
         raise SystemExit(f"python -m localstack soak: error: --chaos must be a number of seconds above 0, got {args.chaos}")
@@ -82,6 +82,7 @@ def cmd_soak(args) -> int:
         raise SystemExit("python -m localstack soak: error: --chaos-orchestrators needs --chaos SECONDS")
     with _stack(args) as stack:
         pool = 2 if args.chaos else 1  # a replica stopped leaves the other of its pool
+        stack.extra_env.update(stack_env(args.chaos_signal, args.chaos_orchestrators))
         stack.start(drafts=pool, targets=pool, orchestrators=2 if args.chaos_orchestrators else 1)
         report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens,
                                   chaos=args.chaos, chaos_signal=args.chaos_signal,
@@ -119,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--chaos-signal", choices=("kill", "term"), default="kill",
                     help="how a replica is stopped: kill = SIGKILL (a crash), term = SIGTERM (a graceful drain)")
     so.add_argument("--chaos-orchestrators", action="store_true",
-                    help="with --chaos: run two orchestrators and drain one (SIGTERM, as a rolling update does) in "
-                    "turn with the pools; the clients send each call to the next orchestrator running, and a call "
-                    "refused by one shutting down to another, as a load balancer would")
+                    help="with --chaos: run two orchestrators and stop one in turn with the pools, with "
+                    "--chaos-signal (term: a rolling update; kill: a crash, their session lease then 2 s); the "
+                    "clients send each call to the next orchestrator running, a call refused by one shutting down "
+                    "to another, as a load balancer would, and a call cut by one killed again with its request id")
     for p in (run, demo, lt, so):
         p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     args = ap.parse_args(argv)

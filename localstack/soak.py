@@ -23,12 +23,15 @@ With `chaos`, a replica is stopped every `chaos` seconds (SIGKILL, or SIGTERM fo
 graceful drain), the draft and the target pool in turn, and a new one started in its
 place: with two replicas a pool, the clients must see none of it (no error, the same
 tokens), since a session moves to another replica and rebuilds its cache there. With
-`chaos_orchestrators` as well, the stack's two orchestrators take their turn too, always
-drained (SIGTERM, a rolling update of their Deployment): the clients send each call to one
-of the orchestrators running, the next in turn, and a call refused by one that is shutting
-down to another, as a load balancer and a retry policy would. A conversation's turns and
-its EndSession go to whichever orchestrator is next, so they also show that the
-orchestrators hold no session state.
+`chaos_orchestrators` as well, the stack's two orchestrators take their turn too, stopped
+with the same signal (SIGTERM: a rolling update of their Deployment; SIGKILL: a crash, an
+OOM kill): the clients send each call to one of the orchestrators running, the next in
+turn, and a call refused by one that is shutting down to another, as a load balancer and a
+retry policy would. Every request but the cancelled streams carries a request id, so a
+call cut by an orchestrator's death is sent again with it (`Front.resume`): it continues
+where the dead one stopped, and its whole answer must begin with the tokens the client had
+already received. A conversation's turns and its EndSession go to whichever orchestrator
+is next, so they also show that the orchestrators hold no session state.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import asyncio
 import random
 import signal
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -61,6 +65,19 @@ SETTLE_SECONDS = 15.0  # how long the leftover check waits for releases still on
 CHAOS_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 REDIRECTS = 3  # times a call refused by an orchestrator shutting down is sent to another
 ENDPOINTS_LAG_S = 0.5  # how long calls still go to an orchestrator after its SIGTERM
+# with orchestrators killed: their lease on the sessions they ran (--session-lease), and how
+# long a client goes on sending a cut call again with its request id
+KILLED_LEASE_S = 2.0
+RESUME_WINDOW_S = 30.0
+
+
+def stack_env(chaos_signal: str, chaos_orchestrators: bool) -> dict[str, str]:
+    """The servers' environment for the soak: where orchestrators are killed, a short
+    lease, so that the sessions a dead one held are free for their retries within
+    KILLED_LEASE_S rather than the default 30 s."""
+    if chaos_orchestrators and chaos_signal == "kill":
+        return {"SPECDEC_SESSION_LEASE": str(KILLED_LEASE_S)}
+    return {}
 
 
 def resident_mib(pid: int) -> float | None:
@@ -95,6 +112,8 @@ def request_for(i: int, max_new_tokens: int) -> tuple[str, pb.GenerateRequest]:
     kind = KINDS[i % len(KINDS)]
     prompt = PROMPTS[(i // len(KINDS)) % len(PROMPTS)]
     req = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0)
+    if kind != "cancelled":  # a client that gives up on a stream does not retry it
+        req.request_id = uuid.uuid4().hex
     if kind == "seeded":
         req.temperature, req.seed = 0.8, i % SEEDS
     elif kind == "stop":
@@ -136,6 +155,7 @@ class Front:
         self.drained: set[str] = set()  # orchestrators the churn stopped
         self.turn = 0
         self.redirected = 0  # calls sent again, to another orchestrator
+        self.resumed = 0  # calls sent again with their request id after they had started
 
     def drain(self, address: str) -> None:
         self.serving.remove(address)
@@ -158,6 +178,19 @@ class Front:
         self.redirected += 1
         return True
 
+    def resume(self, address: str, exc: grpc.aio.AioRpcError, req: pb.GenerateRequest, since: float) -> bool:
+        """Whether a call carrying a request id that failed so is sent again (counted): cut
+        by its orchestrator's death (UNAVAILABLE, or CANCELLED as the connection dropped),
+        or refused while the cut attempt's lease still held its session (ABORTED, "in
+        use"), for up to RESUME_WINDOW_S since it was first sent."""
+        details = exc.details() or ""
+        cut = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        held = exc.code() == grpc.StatusCode.ABORTED and "in use by another call" in details
+        if not req.request_id or not (cut or held) or time.perf_counter() - since > RESUME_WINDOW_S:
+            return False
+        self.resumed += 1
+        return True
+
     async def close(self) -> None:
         for channel in self.channels.values():
             await channel.close()
@@ -174,13 +207,14 @@ class Tally:
         self.kinds: Counter = Counter()
         self.tokens = 0
         self.cancelled = 0
+        self.continued = 0  # answers that went on from tokens a cut attempt had committed
         self.expected: dict[tuple, tuple[list[int], str]] = {}  # key → (tokens, how it ran) of its first answer
         self.compared: Counter = Counter()  # repeats compared with their first answer, by kind
         self.differed: dict[str, list[str]] = {"greedy": [], "seeded": []}
 
-    def fail(self, what: str, exc: grpc.aio.AioRpcError) -> None:
+    def fail(self, what: str, exc: grpc.aio.AioRpcError | str) -> None:
         self.errors[what] += 1
-        self.first_error.setdefault(what, exc.details())
+        self.first_error.setdefault(what, exc if isinstance(exc, str) else exc.details())
 
     def check(self, req: pb.GenerateRequest, tokens: list[int], stats: pb.GenerationStats | None,
               session: str | None = None) -> None:
@@ -214,11 +248,14 @@ def how_it_ran(stats: pb.GenerationStats | None, session: str | None = None) -> 
 
 async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeout: float,
                       cancel_after_first: bool = False) -> str | None:
-    """One GenerateStream; → its session id (None when it failed or was cancelled)."""
+    """One GenerateStream (sent again where `Front` says so); → its session id (None when
+    it failed or was cancelled). A call continued with its request id must answer with the
+    tokens its cut attempts had streamed, then the rest."""
     t0 = time.perf_counter()
-    for attempt in range(REDIRECTS + 1):
+    first, seen, attempt = None, [], 0  # seen: the most tokens a cut attempt streamed
+    while True:
         address, stub = front.stub()
-        first, tokens, session, last = None, [], None, None
+        tokens, session, last = [], None, None
         call = stub.GenerateStream(req, timeout=timeout)
         try:
             async for chunk in call:
@@ -234,11 +271,21 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
+            seen = max(seen, tokens, key=len)
             if last is None and front.redirect(address, exc, attempt):
+                attempt += 1
+                continue
+            if front.resume(address, exc, req, t0):
+                await asyncio.sleep(0.2 if exc.code() == grpc.StatusCode.ABORTED else 0)
                 continue
             tally.fail(exc.code().name, exc)
             return None
+    if tokens[:len(seen)] != seen:
+        tally.fail("RESUMED_OTHERWISE", f"a call continued with its request id answered {tokens[:len(seen)]} "
+                                        f"where its cut attempt had streamed {seen}")
+        return None
     tally.latency.append(time.perf_counter() - t0)
+    tally.continued += last is not None and last.stats.resumed_tokens > 0
     if first is not None:
         tally.first_chunk.append(first)
     tally.tokens += len(tokens)
@@ -247,13 +294,19 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
 
 
 async def end_session(front: Front, session: str, tally: Tally, timeout: float) -> None:
+    """EndSession, sent again where its orchestrator stopped under it; a session found gone
+    by such a retry was ended by the attempt that was cut."""
+    retried = False
     for attempt in range(REDIRECTS + 1):
         address, stub = front.stub()
         try:
             await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
             return
         except grpc.aio.AioRpcError as exc:
-            if front.redirect(address, exc, attempt):
+            if retried and exc.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            if front.redirect(address, exc, attempt) or exc.code() == grpc.StatusCode.CANCELLED and address in front.drained:
+                retried = True
                 continue
             tally.fail(f"EndSession {exc.code().name}", exc)
             return
@@ -266,16 +319,19 @@ async def one_request(front: Front, i: int, max_new_tokens: int, tally: Tally, t
     if kind != "conversation" or session is None:
         return
     follow = pb.GenerateRequest(prompt="\n# and then\n", max_new_tokens=max_new_tokens, temperature=0.0,
-                                session_id=session)
+                                session_id=session, request_id=uuid.uuid4().hex)
     await stream_once(front, follow, tally, timeout)
     await end_session(front, session, tally, timeout)
 
 
 async def sessions_held(stack) -> dict[str, int]:
-    """Session handles in Redis and caches on each replica, now."""
+    """Session handles in Redis and caches on each replica, now. A request id's whole
+    answer on a session not kept stays in Redis for the orchestrators' --retry-window,
+    with no replica and no cache: not counted."""
     client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
     try:
-        held = {"redis": sum(1 for key in client.scan_iter(PREFIX + "*") if key.count(b":") == 2)}
+        held = {"redis": sum(1 for key in client.scan_iter(PREFIX + "*")
+                             if key.count(b":") == 2 and client.hget(key, "target"))}
     finally:
         client.close()
     for rep in stack.replicas:
@@ -320,7 +376,7 @@ async def leftovers(stack, before: dict[str, int]) -> dict[str, int]:
 async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: list[str],
                 kernels: dict[str, str], front: Front | None = None) -> None:
     """Every `every` seconds until `stop` is set, stop a replica of the draft and the target
-    pool in turn (and, given the clients' `front`, one of the orchestrators, always drained)
+    pool in turn (and, given the clients' `front`, one of the orchestrators)
     and start a new one in its place, waiting until it serves and, for a replica, has
     registered, and note its kernels in `kernels`. A restart under way when `stop` is set is
     finished, not cut short, so that the stack's lists of servers are whole when the soak
@@ -338,9 +394,10 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
             kind = kinds[len(restarts) % len(kinds)]
             if kind == "orchestrator":
                 victim = rng.choice([r for r in stack.orchestrators if r.proc.poll() is None])
-                victim.proc.send_signal(signal.SIGTERM)
+                victim.proc.send_signal(sig)
                 # calls still reach it for a moment, as they reach a pod until the endpoints'
-                # update has spread: it refuses them, and the clients send them elsewhere
+                # update has spread: it refuses them (or, killed, fails to connect), and the
+                # clients send them elsewhere
                 await asyncio.sleep(ENDPOINTS_LAG_S)
                 front.drain(victim.address)
                 await asyncio.to_thread(victim.proc.wait, 30)
@@ -417,6 +474,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "first_errors": tally.first_error, "tokens": tally.tokens,
         "compared": dict(tally.compared), "differed": tally.differed, "leftovers": left,
         "restarts": restarts, "chaos_signal": chaos_signal if chaos else None, "redirected": front.redirected,
+        "resumed": front.resumed, "continued": tally.continued,
         "batch_invariant": bool(kernels) and all("batch-invariant" in k for k in kernels.values()),
         "kernels": kernels,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
@@ -456,15 +514,18 @@ def format_report(r: dict) -> str:
              + ("(every replica batch-invariant: they must match)" if r.get("batch_invariant") else
                 "(not every replica batch-invariant: a seeded sample may move with its batch company)"),
              *(f"          {m}" for kind in ("greedy", "seeded") for m in r["differed"][kind][:5]),
-             *([f"chaos     {len(r['restarts'])} servers stopped (replicas with SIG{r['chaos_signal'].upper()}"
-                + (", orchestrators with SIGTERM" if any(x.startswith("orchestrator") for x in r["restarts"]) else "")
-                + ") and replaced: " + ", ".join(r["restarts"])]
+             *([f"chaos     {len(r['restarts'])} servers stopped with SIG{r['chaos_signal'].upper()}"
+                + (" (orchestrators too)" if any(x.startswith("orchestrator") for x in r["restarts"]) else "")
+                + " and replaced: " + ", ".join(r["restarts"])]
                if r["chaos_signal"] else []),
              *(["kernels   not batch-invariant: " + ", ".join(f"{name} {k}" for name, k in r["kernels"].items()
                                                           if "batch-invariant" not in k)]
                if r.get("kernels") and not r.get("batch_invariant") else []),
-             *([f"redirected {r['redirected']} calls refused by an orchestrator shutting down, sent to another"]
-               if r.get("redirected") else []),
+             *([f"redirected {r['redirected']} calls refused by an orchestrator shutting down or gone, sent to "
+                f"another"] if r.get("redirected") else []),
+             *([f"resumed   {r['resumed']} times a call cut by its orchestrator's death (or refused while the cut "
+                f"attempt held its session) was sent again with its request id; {r['continued']} answers went on "
+                f"from tokens a cut attempt committed"] if r.get("resumed") else []),
              "left over " + (", ".join(f"{name} {n}" for name, n in r["leftovers"].items())
                              if r["leftovers"] else "no session handle or cache beyond those there before"),
              "",

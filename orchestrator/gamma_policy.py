@@ -78,8 +78,9 @@ either way; this only makes the same seeded request give the same tokens.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from orchestrator.forward_costs import ForwardCosts
@@ -429,6 +430,16 @@ class SessionPolicy:
     def __post_init__(self) -> None:
         if self.reached is None:
             self.reached = [self.trials]
+
+    def snapshot(self) -> str:
+        """The whole state as text: a seeded request continued by a retry
+        (orchestrator/request_ids.py) goes on from it, and so chooses the γs an
+        uninterrupted call would have, which its tokens depend on."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def restore(cls, text: str) -> SessionPolicy:
+        return cls(**json.loads(text))
 
     def pooled_rates(self, costs: "CostModel") -> list[float]:
         """The session's rate c_i at each draft position 1..max_gamma: its kind's

@@ -131,6 +131,7 @@ class Generator:
                                      f"leaves no room in the model context of {self.max_len} tokens")
             handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
                              "top_p": req.params.top_p, "seed": req.params.seed}
+            handle.policy = ""  # the previous request's
             if req.request_id or handle.requests:  # saved with the prompt in one write: a retry finds both or neither
                 marks = request_ids.record(self._marks(handle), req.request_id, req.fingerprint, before,
                                            len(handle.committed))
@@ -306,6 +307,8 @@ class Generator:
         if opened.retry:  # the first attempt's seed, drawn where the client gave none
             req = replace(req, params=replace(req.params, seed=int(handle.params.get("seed", req.params.seed))))
         gen = self._begin(req, handle, deadline, opened.start)
+        if opened.retry and handle.policy and gen.keeps_policy:
+            gen.policy = SessionPolicy.restore(handle.policy)
         gen.stats.started = t_start
         generated, reason, done = list(opened.resumed), "length", False
         ok = False  # the answer is whole: a request id's session not kept is released
@@ -384,7 +387,7 @@ class Generator:
             TextStream(self.tokenizer, req.stop),
             replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
-            prompt_len, time.monotonic())
+            prompt_len, time.monotonic(), request_id=req.request_id)
 
     async def _probe_draft_pool(self, gen: Generation) -> None:
         """A session decoding target-only for want of a draft replica looks for one again
@@ -455,6 +458,8 @@ class Generator:
         # target's keep chances of a sampled draft (gamma_policy.keep_chances)
         gen.stats.observe(gamma, verdict.accepted)
         gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
+        if gen.keeps_policy and gen.request_id:  # committed with the round, for a retry to go on from
+            handle.policy = gen.policy.snapshot()
         if log.isEnabledFor(logging.DEBUG):  # a round's trace (--log-level DEBUG), for comparing two runs
             log.debug("session %s round at %d: γ %d (%s), kept %d, next %d; draft %s, target %s", handle.session_id,
                       m, gamma, draft_tokens, verdict.accepted, verdict.next_token, handle.draft_replica or "-",
@@ -571,9 +576,9 @@ class Generator:
 
         await asyncio.gather(release_draft(), release_on("target", handle.target_replica))
         try:
-            if keep_handle:
-                handle.draft_replica, handle.target_replica, handle.cursor = "", "", rounds.Cursor()
-                await self.store.save(handle, ttl=self.retry_window)
+            if keep_handle:  # a copy: the call's stats still name the replicas it ran on
+                kept = replace(handle, draft_replica="", target_replica="", cursor=rounds.Cursor())
+                await self.store.save(kept, ttl=self.retry_window)
                 await self.store.unlock(handle.session_id, handle.owner)
             else:
                 await self.store.delete(handle.session_id)

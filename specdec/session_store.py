@@ -77,6 +77,9 @@ class SessionHandle:
     # the requests with ids this session served, as the orchestrator records them
     # (orchestrator/request_ids.py): written with the whole handle, never by a round's commit
     requests: list = field(default_factory=list)
+    # a seeded request's γ policy after its last committed round, as the orchestrator
+    # snapshots it for a retry to go on from (empty: none); written by every round's commit
+    policy: str = ""
 
     @property
     def length(self) -> int:
@@ -88,10 +91,13 @@ def _tokens_bytes(tokens: list[int]) -> bytes:
 
 
 def _meta(handle: SessionHandle) -> dict:
-    return {"draft": handle.draft_replica, "target": handle.target_replica, "epoch": handle.epoch,
+    meta = {"draft": handle.draft_replica, "target": handle.target_replica, "epoch": handle.epoch,
             "length": handle.length, "draft_len": handle.cursor.draft_len,
             "target_len": handle.cursor.target_len, "target_resync": int(handle.cursor.target_resync),
             "params": json.dumps(handle.params)}
+    if handle.policy:
+        meta["policy"] = handle.policy
+    return meta
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,8 @@ class SessionStore:
         committed = np.frombuffer(toks, dtype=np.int32)[:length].tolist()
         cursor = Cursor(int(meta["draft_len"]), int(meta["target_len"]), bool(int(meta["target_resync"])))
         return SessionHandle(session_id, meta["draft"], meta["target"], int(meta["epoch"]), committed,
-                             cursor, json.loads(meta["params"]), requests=json.loads(meta.get("requests", "[]")))
+                             cursor, json.loads(meta["params"]), requests=json.loads(meta.get("requests", "[]")),
+                             policy=meta.get("policy", ""))
 
     def round_commit(self, handle: SessionHandle, new_tokens: list[int]) -> RoundCommit:
         """A round's commit as the handle stands *now*: the round's tokens and what the caches

@@ -17,7 +17,10 @@ from tests.e2e.test_session_lease import committed
 
 pytestmark = pytest.mark.e2e
 LONG = 400  # long enough that a stream cut after its first chunk has most of it to go
-CASES = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=1.0, gamma=4, seed=7)}
+# seeded sampled tokens depend on the γs chosen: with the adaptive γ the retry goes on from
+# the policy's state committed with the last round (SessionPolicy.snapshot)
+CASES = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=1.0, gamma=4, seed=7),
+         "seeded_adaptive": dict(temperature=1.0, seed=11)}
 
 
 def rid() -> str:

@@ -370,3 +370,20 @@ def test_under_load_pre_drafts_stop_where_few_were_used_and_probe_now_and_then()
     before = costs.predraft_use[False].count
     costs.observe_predraft(False, False)  # alone, a pre-draft's fate is not counted
     assert costs.predraft_use[False].count == before
+
+
+def test_a_restored_snapshot_chooses_as_the_policy_it_was_taken_from():
+    """A seeded request continued by a retry goes on from its committed policy state."""
+    policy = SessionPolicy(deterministic=True)
+    for gamma, kept in ((4, 4), (5, 2), (3, 0), (4, 3)):
+        policy.observe(gamma, kept)
+        policy.observe_guess(kept == gamma)
+    copy = SessionPolicy.restore(policy.snapshot())
+    assert copy == policy
+    costs = CostModel()
+    for kept in (2, 5, 1, 3):
+        gamma = policy.choose(costs)
+        assert copy.choose(costs) == gamma
+        policy.observe(gamma, min(kept, gamma))
+        copy.observe(gamma, min(kept, gamma))
+    assert copy == policy
