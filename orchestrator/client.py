@@ -6,15 +6,23 @@
     python -m orchestrator.client --end-session ID                    # release its caches
     echo "def main(" | python -m orchestrator.client - --json         # one JSON object, for scripts
 
+    python -m orchestrator.client "def main(" --retries 5             # rides out an orchestrator's death
+
 The text goes to standard output, the stats and the session to standard error. A call that
 fails prints its gRPC status and message and exits 1; Ctrl-C cancels the call and exits 130.
+With --retries, a call that failed UNAVAILABLE, CANCELLED or ABORTED (its orchestrator gone
+or stopping, or its session still held by the attempt that was cut) is sent again with the
+same request id, which continues the answer: the text already shown is not shown again.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
+import time
+import uuid
 
 import grpc
 from google.protobuf import json_format
@@ -65,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-session", action="store_true", help="keep the session for a later call")
     ap.add_argument("--request-id", help="makes a retry safe: the same command with the same id continues (or "
                                          "repeats) the answer of an earlier attempt instead of starting again")
+    ap.add_argument("--retries", type=int, default=0,
+                    help="send a call that failed UNAVAILABLE, CANCELLED or ABORTED again, up to this many times, "
+                         "with its request id (a new one unless --request-id gives it): the answer goes on where "
+                         "the failed attempt stopped (default 0)")
     ap.add_argument("--end-session", metavar="ID", help="end this kept session, releasing its caches, and exit "
                     "(no prompt)")
     ap.add_argument("--json", action="store_true", help="print the whole response as one JSON object when it "
@@ -84,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--end-session takes no prompt")
     if args.end_session is None and args.prompt is None:
         ap.error("give a prompt ('-' reads standard input), or --end-session ID")
+    if args.retries < 0:
+        ap.error(f"--retries must be 0 or more, got {args.retries}")
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
+    if args.retries and not args.request_id:
+        args.request_id = uuid.uuid4().hex
     creds = channel_credentials(args.ca_file)
     channel = grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)
     stub = pb_grpc.OrchestratorStub(channel)
@@ -95,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             stub.EndSession(pb.EndSessionRequest(session_id=args.end_session), timeout=args.timeout, metadata=metadata)
             print(f"session {args.end_session} ended", file=sys.stderr)
         elif args.json:
-            reply = stub.Generate(build_request(args), timeout=args.timeout, metadata=metadata)
+            reply = retrying(lambda _: stub.Generate(build_request(args), timeout=args.timeout, metadata=metadata),
+                             args.retries)
             print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), ensure_ascii=False))
         else:
-            stream(stub, build_request(args), args.timeout, metadata)
+            shown = Shown()
+            retrying(lambda _: stream(stub, build_request(args), args.timeout, metadata, shown), args.retries)
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -110,11 +128,47 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def stream(stub, req: pb.GenerateRequest, timeout: float, metadata) -> None:
+RETRIED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+MAX_WAIT_S = 30.0  # the longest pause before a retry
+
+
+def retrying(call, retries: int):
+    """call(attempt) until it returns, sending it again after a failure in RETRIED up to
+    `retries` times: after a backoff, or, where the session is still held by the attempt
+    that was cut, once the server says it is free."""
+    for attempt in range(retries + 1):
+        try:
+            return call(attempt)
+        except grpc.RpcError as exc:
+            if attempt == retries or exc.code() not in RETRIED:
+                raise
+            free = re.search(r"free within (\d+) s", exc.details() or "")
+            wait = float(free.group(1)) + 0.2 if free else 0.5 * 2 ** attempt
+            print(f"\n[{exc.code().name}: {exc.details()}; sending it again in {min(wait, MAX_WAIT_S):.1f} s]",
+                  file=sys.stderr)
+            time.sleep(min(wait, MAX_WAIT_S))
+
+
+class Shown:
+    """The text already written, over every attempt of a call: a retry's answer begins
+    with what the cut attempt committed, and only what lies past it is written."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+
+    def write(self, answer_so_far: str) -> None:
+        if len(answer_so_far) > self.chars:
+            sys.stdout.write(answer_so_far[self.chars:])
+            sys.stdout.flush()
+            self.chars = len(answer_so_far)
+
+
+def stream(stub, req: pb.GenerateRequest, timeout: float, metadata, shown: Shown) -> None:
+    answer = ""
     for chunk in stub.GenerateStream(req, timeout=timeout, metadata=metadata):
         if chunk.text:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+            answer += chunk.text
+            shown.write(answer)
         if chunk.HasField("stats"):
             print(f"\n{format_stats(chunk.stats)}\nsession {chunk.session_id}, finish "
                   f"{pb.FinishReason.Name(chunk.finish_reason)}", file=sys.stderr)

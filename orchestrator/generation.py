@@ -112,13 +112,18 @@ class Generator:
         here leaves the session free."""
         named = req.session_id or (request_ids.session_for(req.request_id) if req.request_id else "")
         handle = await self.store.acquire(named, owner, create=not req.session_id) if named else None
-        try:
-            if handle is None:
+        if handle is None:  # a new session
+            try:
                 target = await self.pools.require("target")
                 draft = await self.pools.pick("draft") or ""
-                handle = SessionHandle(named or self.store.new_id(), draft, target, 1, [], owner=owner)
-                if not named:
-                    await self.store.try_lock(handle.session_id, owner)
+            except BaseException:
+                if named:  # its lock, taken by `acquire`
+                    await self.store.unlock(named, owner)
+                raise
+            handle = SessionHandle(named or self.store.new_id(), draft, target, 1, [], owner=owner)
+            if not named:
+                await self.store.try_lock(handle.session_id, owner)
+        try:
             mark = request_ids.find(self._marks(handle), req.request_id) if req.request_id else None
             if mark is not None:
                 return self._retried(req, handle, mark)
@@ -138,8 +143,7 @@ class Generator:
                 handle.requests = [m.to_list() for m in marks]
             await self.store.save(handle)
         except BaseException:
-            if handle is not None or named:
-                await self.store.unlock(handle.session_id if handle else named, owner)
+            await self.store.unlock(handle.session_id, owner)
             raise
         return Opened(handle, len(handle.committed))
 
@@ -304,7 +308,7 @@ class Generator:
         owner = uuid.uuid4().hex  # this call, as the holder of its session's lease
         opened = await self._open(req, owner)
         handle = opened.handle
-        if opened.retry:  # the first attempt's seed, drawn where the client gave none
+        if opened.retry and not opened.older:  # the first attempt's seed, drawn where the client gave none
             req = replace(req, params=replace(req.params, seed=int(handle.params.get("seed", req.params.seed))))
         gen = self._begin(req, handle, deadline, opened.start)
         if opened.retry and handle.policy and gen.keeps_policy:

@@ -4,12 +4,14 @@ uninterrupted call gives; a whole answer is given again without generating; a ke
 session's prompt is appended once however often the call is retried."""
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 
 import grpc
 import pytest
 
+from localstack.stack import free_port, scrape_metrics
 from orchestrator.request_ids import session_for
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, redis_client, request
@@ -64,11 +66,18 @@ def test_a_cut_stream_retried_with_its_id_ends_as_the_uninterrupted_answer(local
 
 
 def test_a_whole_answer_is_given_again_without_generating(local_stack):
-    stub = api(local_stack.orchestrator_address)
-    req = request("def parse(", 48, 1.0, request_id=rid())  # no seed: a second sampling would differ
-    first = stub.Generate(req, timeout=120)
-    chunks = list(stub.GenerateStream(req, timeout=120))
-    again = stub.Generate(req, timeout=120)
+    port = free_port()
+    metered = local_stack.start_orchestrator(extra=["--metrics-port", str(port)])
+    try:
+        stub = api(metered.address)
+        req = request("def parse(", 48, 1.0, request_id=rid())  # no seed: a second sampling would differ
+        first = stub.Generate(req, timeout=120)
+        chunks = list(stub.GenerateStream(req, timeout=120))
+        again = stub.Generate(req, timeout=120)
+        assert scrape_metrics(port)['specdec_requests_resumed_total{how="answered"}'] == 2
+    finally:
+        local_stack.orchestrators.remove(metered)
+        local_stack.kill(metered, signal.SIGTERM)
     for tokens, text, last in ([list(c.token_ids) for c in chunks], "".join(c.text for c in chunks), chunks[-1]), \
             ([list(again.token_ids)], again.text, again):
         assert sum(tokens, []) == list(first.token_ids) and text == first.text
@@ -79,6 +88,7 @@ def test_a_whole_answer_is_given_again_without_generating(local_stack):
         f"specdec:session:{first.session_id}").items()}
     assert first.session_id == session_for(req.request_id)
     assert (handle["draft"], handle["target"]) == ("", "")
+    assert first.stats.target_replica  # though the call's own stats name the replica it ran on
     assert 0 < redis_client(local_stack).ttl(f"specdec:session:{first.session_id}") <= 120
 
 

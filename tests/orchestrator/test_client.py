@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import api, request, session_handles
+from orchestrator.request_ids import session_for
+from tests.e2e.helpers import api, redis_client, request, session_handles
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,3 +81,38 @@ def test_a_failed_call_is_one_line_with_its_status(local_stack, args, words):
 def test_a_usage_error_says_what_is_missing(args, words):
     done = client(*args)
     assert done.returncode == 2 and words in done.stderr
+
+
+def test_retries_ride_out_an_orchestrator_killed_mid_answer_and_show_no_text_twice(local_stack):
+    """The address a load balancer would keep: the orchestrator behind it killed mid-stream
+    and a new one started there. The client sends the call again with its request id, and
+    what it shows is exactly the uninterrupted answer."""
+    lease = ["--session-lease", "2"]
+    doomed = local_stack.start_orchestrator(extra=lease)
+    port, rid = doomed.port, uuid.uuid4().hex
+    args = ["def main(", "--address", doomed.address, "--max-new-tokens", "1024", "--gamma", "0",
+            "--request-id", rid, "--retries", "8"]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.client", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    replacement = None
+    try:
+        handle = redis_client(local_stack)
+        key = f"specdec:session:{session_for(rid)}"
+        deadline = time.monotonic() + 60
+        while not int(handle.hget(key, "length") or 0) > 3:  # a round committed: the answer has begun
+            assert time.monotonic() < deadline and proc.poll() is None, "the call never started"
+            time.sleep(0.01)
+        local_stack.kill(doomed)
+        local_stack.orchestrators.remove(doomed)
+        replacement = local_stack.start_orchestrator(port=port, extra=lease)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if replacement is not None:
+            local_stack.orchestrators.remove(replacement)
+            local_stack.kill(replacement, signal.SIGTERM)
+    assert proc.returncode == 0, err
+    assert "sending it again" in err
+    want = api(local_stack.orchestrator_address).Generate(request("def main(", 1024, 0.0, gamma=0), timeout=120)
+    assert out == want.text
