@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import redis
@@ -106,3 +107,16 @@ class Streams:
             t.join(timeout)
             assert not t.is_alive(), "a stream did not finish"
         return self.results
+
+
+def killed_mid_stream(stack, doomed, streams: Streams) -> None:
+    """SIGKILL the orchestrator `doomed` a moment into its `streams` (no drain, nothing
+    released or unlocked), take it off the stack, and check that the streams failed."""
+    try:
+        streams.wait_first_chunks()
+        time.sleep(0.2)
+        stack.kill(doomed)
+        for result in streams.join():
+            assert isinstance(result, grpc.RpcError)
+    finally:
+        stack.orchestrators.remove(doomed)

@@ -14,7 +14,7 @@ import pytest
 from localstack.stack import free_port, scrape_metrics
 from orchestrator.request_ids import session_for
 from specdec.v1 import orchestrator_pb2 as pb
-from tests.e2e.helpers import Streams, api, redis_client, request
+from tests.e2e.helpers import Streams, api, killed_mid_stream, redis_client, request
 from tests.e2e.test_session_lease import committed
 
 pytestmark = pytest.mark.e2e
@@ -149,15 +149,8 @@ def test_an_id_is_refused_for_another_request_and_while_its_first_attempt_runs(l
 def test_a_call_whose_orchestrator_died_is_retried_elsewhere_into_the_same_answer(local_stack):
     doomed = local_stack.start_orchestrator(extra=["--session-lease", "2"])
     req = request("def main(", 1024, 0.0, gamma=0, request_id=rid())
-    try:
-        streams = Streams(api(doomed.address), [req])
-        streams.wait_first_chunks()
-        time.sleep(0.2)
-        local_stack.kill(doomed)  # SIGKILL: no drain, nothing released or unlocked
-        result, = streams.join()
-        assert isinstance(result, grpc.RpcError)
-    finally:
-        local_stack.orchestrators.remove(doomed)
+    streams = Streams(api(doomed.address), [req])
+    killed_mid_stream(local_stack, doomed, streams)
     survivor = api(local_stack.orchestrator_address)
     again = retried(survivor, req, within=2 + 10)
     reference = survivor.Generate(request("def main(", 1024, 0.0, gamma=0), timeout=120)
