@@ -65,6 +65,30 @@ def test_a_cut_stream_retried_with_its_id_ends_as_the_uninterrupted_answer(local
     assert again.stats.prompt_tokens == reference.stats.prompt_tokens
 
 
+def test_a_retry_ends_at_the_stop_string_the_uninterrupted_answer_ends_at(local_stack):
+    """The text of what the cut attempt committed is decoded again, held-back pieces and all,
+    so that a stop string reached after the cut ends the retried answer where it ends an
+    uninterrupted one."""
+    stub = api(local_stack.orchestrator_address)
+    seeded = dict(temperature=0.8, gamma=4, seed=3)  # greedy text here repeats itself early
+    whole = stub.Generate(request("def main(", LONG, **seeded), timeout=120)
+    late = whole.text[len(whole.text) * 2 // 3:]
+    stop = next(late[i:i + 6] for i in range(len(late)) if late[i:i + 6].strip() and late[i:i + 6] not in
+                whole.text[:len(whole.text) * 2 // 3 + i + 5])  # first seen two thirds of the way in
+    reference = stub.Generate(request("def main(", LONG, **seeded, stop=[stop]), timeout=120)
+    assert reference.finish_reason == pb.FINISH_REASON_STOP and len(reference.token_ids) > LONG // 2
+    req = request("def main(", LONG, **seeded, stop=[stop], request_id=rid())
+    received = cut_after_first_chunk(stub, req)
+    again = retried(stub, req)
+    assert (list(again.token_ids), again.text, again.finish_reason) == (
+        list(reference.token_ids), reference.text, reference.finish_reason)
+    assert len(received) <= again.stats.resumed_tokens < len(reference.token_ids)
+    # once whole, its stop string lies in what was committed: answered again, not continued
+    replay = stub.Generate(req, timeout=120)
+    assert (list(replay.token_ids), replay.text, replay.finish_reason, replay.stats.rounds) == (
+        list(reference.token_ids), reference.text, reference.finish_reason, 0)
+
+
 def test_a_whole_answer_is_given_again_without_generating(local_stack):
     port = free_port()
     metered = local_stack.start_orchestrator(extra=["--metrics-port", str(port)])
