@@ -49,6 +49,43 @@ def test_rounds_commit_atomically_and_load_back(redis_server):
     asyncio.run(go())
 
 
+def test_request_records_outlive_round_commits_and_the_policy_goes_with_them(redis_server):
+    """The orchestrator's request records are written with the whole handle only, so a
+    round's commit leaves them be; a seeded request's γ policy snapshot goes with every
+    commit; a kept answer's handle can be given a shorter TTL."""
+    async def go():
+        client, store, handle = await _new_session(redis_server.url)
+        handle.requests = [["r1", "fp", 3, -1]]
+        await store.save(handle)
+        handle.policy = '{"accepted": 3.0}'
+        await _commit_rounds(store, handle, [[14, 15]])
+        loaded = await store.load("s1")
+        assert loaded.requests == [["r1", "fp", 3, -1]] and loaded.policy == '{"accepted": 3.0}'
+        assert loaded.committed == [11, 12, 13, 14, 15]
+        loaded.policy = ""
+        await store.save(loaded, ttl=7)  # a new request's save drops the last one's snapshot
+        again = await store.load("s1")
+        assert again.policy == "" and again.requests == loaded.requests
+        assert 0 < await client.ttl(PREFIX + "s1") <= 7 and 0 < await client.ttl(PREFIX + "s1:tokens") <= 7
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_lock_taken_for_a_session_not_there_yet_is_kept_for_its_creation(redis_server):
+    async def go():
+        client, store, _ = await _new_session(redis_server.url)
+        assert await store.acquire("new", "me", create=True) is None
+        with pytest.raises(SessionBusy):  # held for the caller, who creates the session
+            await store.acquire("new", "other", create=True)
+        with pytest.raises(SessionNotFound):
+            await store.acquire("absent", "me")
+        assert await store.try_lock("absent", "other")  # refused without create: not left locked
+        await client.aclose()
+
+    asyncio.run(go())
+
+
 def test_commit_goes_on_after_redis_restarts(redis_server):
     """A restarted Redis has forgotten the commit script: the store loads it again."""
     async def go():
