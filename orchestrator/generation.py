@@ -124,7 +124,8 @@ class Generator:
             if not named:
                 await self.store.try_lock(handle.session_id, owner)
         try:
-            mark = request_ids.find(self._marks(handle), req.request_id) if req.request_id else None
+            marks = [request_ids.RequestMark.from_list(item) for item in handle.requests]
+            mark = request_ids.find(marks, req.request_id) if req.request_id else None
             if mark is not None:
                 return self._retried(req, handle, mark)
             before = len(handle.committed)
@@ -138,18 +139,13 @@ class Generator:
                              "top_p": req.params.top_p, "seed": req.params.seed}
             handle.policy = ""  # the previous request's
             if req.request_id or handle.requests:  # saved with the prompt in one write: a retry finds both or neither
-                marks = request_ids.record(self._marks(handle), req.request_id, req.fingerprint, before,
-                                           len(handle.committed))
+                marks = request_ids.record(marks, req.request_id, req.fingerprint, before, len(handle.committed))
                 handle.requests = [m.to_list() for m in marks]
             await self.store.save(handle)
         except BaseException:
             await self.store.unlock(handle.session_id, owner)
             raise
         return Opened(handle, len(handle.committed))
-
-    @staticmethod
-    def _marks(handle: SessionHandle) -> list[request_ids.RequestMark]:
-        return [request_ids.RequestMark.from_list(item) for item in handle.requests]
 
     @staticmethod
     def _retried(req: GenerationRequest, handle: SessionHandle, mark: request_ids.RequestMark) -> Opened:
@@ -462,7 +458,7 @@ class Generator:
         # target's keep chances of a sampled draft (gamma_policy.keep_chances)
         gen.stats.observe(gamma, verdict.accepted)
         gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
-        if gen.keeps_policy and gen.request_id:  # committed with the round, for a retry to go on from
+        if gen.keeps_policy:  # committed with the round, for a retry to go on from
             handle.policy = gen.policy.snapshot()
         if log.isEnabledFor(logging.DEBUG):  # a round's trace (--log-level DEBUG), for comparing two runs
             log.debug("session %s round at %d: γ %d (%s), kept %d, next %d; draft %s, target %s", handle.session_id,

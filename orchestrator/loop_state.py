@@ -84,7 +84,7 @@ class Generation:
     stop_below: float  # the confidence stop of this generation's proposals (0: off)
     prompt_len: int
     last_draft_probe: float
-    request_id: str = ""  # the request's id: a seeded one's γ policy is committed with each round
+    request_id: str = ""  # the request's id (a retry of it goes on from what was committed)
     runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)
@@ -99,9 +99,10 @@ class Generation:
 
     @property
     def keeps_policy(self) -> bool:
-        """Whether the γs this generation chooses decide its tokens: an adaptive seeded
-        sampled request's (greedy tokens do not depend on γ, and a fixed γ is the request's)."""
-        return self.policy.fixed is None and self.policy.deterministic
+        """Whether the γ policy's state is committed with each round, for a retry to go on
+        from: a request with an id whose tokens the γs it chooses decide, an adaptive seeded
+        sampled one (greedy tokens do not depend on γ, and a fixed γ is the request's)."""
+        return bool(self.request_id) and self.policy.fixed is None and self.policy.deterministic
 
     @property
     def governed(self) -> bool:
