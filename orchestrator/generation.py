@@ -33,8 +33,8 @@ from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
-from specdec import metrics, rounds
-from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, RequestSuperseded, Unavailable
+from specdec import logprobs, metrics, rounds
+from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, ReplicaTooOld, RequestSuperseded, Unavailable
 from specdec.internal.v1 import replica_pb2
 from specdec.session_store import RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
@@ -172,7 +172,7 @@ class Generator:
         metrics.REQUESTS_RESUMED.labels("answered" if reason else "continued").inc()
         gen.stats.resumed = len(tokens)
         if tokens:
-            await emit(text, list(tokens))
+            await emit(text, list(tokens), [] if gen.logprobs else None)
             gen.stats.first_token_ms = (time.perf_counter() - gen.stats.started) * 1000
         return reason
 
@@ -225,6 +225,8 @@ class Generator:
                 ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
                 request = replica_pb2.VerifyRequest(
                     cache=ref_to_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb)
+                if gen.logprobs:
+                    request.logprobs, request.top_logprobs = True, gen.top_logprobs
                 t0 = time.perf_counter()
                 resp = await gen.links.verify(handle.target_replica, request, self._timeout(deadline))
             except grpc.aio.AioRpcError as exc:
@@ -344,6 +346,7 @@ class Generator:
                 verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
                 pre = None if ahead is None else await self.predraft.take(gen, ahead, verdict, gamma)
                 new, out_text, reason = self._apply(gen, m, gamma, draft_tokens, verdict)
+                scores = self._scores(gen, verdict, len(new))
                 generated.extend(new)
                 if pending is not None:
                     await pending  # rounds are committed and streamed in order
@@ -351,7 +354,7 @@ class Generator:
                              gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
                              gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
                 gen.calls.clear()
-                release, pending = self._end_round(gen, book, new, out_text, emit,
+                release, pending = self._end_round(gen, book, new, out_text, scores, emit,
                                                    first=len(generated) == len(opened.resumed) + len(new))
                 if reason in ("eos", "stop"):
                     break
@@ -360,7 +363,7 @@ class Generator:
                 await pending
             tail = gen.text.flush()
             if tail:
-                await emit(tail, [])
+                await emit(tail, [], [] if gen.logprobs else None)
             ok = True
         finally:
             gen.closed = True
@@ -387,7 +390,8 @@ class Generator:
             TextStream(self.tokenizer, req.stop),
             replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
-            prompt_len, time.monotonic(), request_id=req.request_id)
+            prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs)
 
     async def _probe_draft_pool(self, gen: Generation) -> None:
         """A session decoding target-only for want of a draft replica looks for one again
@@ -466,7 +470,21 @@ class Generator:
                       handle.target_replica)
         return new, text, reason
 
-    def _end_round(self, gen: Generation, book: Round, new: list[int], text: str | None, emit: Emit,
+    @staticmethod
+    def _scores(gen: Generation, verdict, kept: int) -> list[logprobs.TokenLogprob] | None:
+        """The log-probabilities of the round's first `kept` tokens (the rest were cut at
+        EOS or a stop string), where the request asked for them."""
+        if not gen.logprobs:
+            return None
+        top = gen.top_logprobs
+        if len(verdict.logprobs) < kept or len(verdict.top_token_ids) < kept * top:
+            raise ReplicaTooOld(f"target replica {gen.handle.target_replica} returned no log-probabilities (a "
+                                "version from before them?); retry without logprobs, or once the pool is upgraded")
+        return logprobs.records(verdict.logprobs[:kept], verdict.top_token_ids[:kept * top],
+                                verdict.top_logprobs[:kept * top], top)
+
+    def _end_round(self, gen: Generation, book: Round, new: list[int], text: str | None,
+                   scores: list[logprobs.TokenLogprob] | None, emit: Emit,
                    first: bool) -> tuple[asyncio.Event, asyncio.Future]:
         """→ (its release, its finish): the round's bookkeeping, Redis round trip and emit,
         which overlap the next round's verification (the first round's go at once, for the
@@ -477,10 +495,12 @@ class Generator:
         if first:
             release.set()
         commit = self.store.round_commit(gen.handle, new)
-        return release, asyncio.ensure_future(self._finish_round(release, gen, book, commit, new, text, emit))
+        return release, asyncio.ensure_future(self._finish_round(release, gen, book, commit, new, text, scores,
+                                                                 emit))
 
     async def _finish_round(self, release: asyncio.Event, gen: Generation, book: Round, commit: RoundCommit,
-                            new: list[int], text: str | None, emit: Emit) -> None:
+                            new: list[int], text: str | None, scores: list[logprobs.TokenLogprob] | None,
+                            emit: Emit) -> None:
         """A round's bookkeeping, its Redis commit, then its tokens to the client, once
         `release` is set: when the next round's verification has been issued (or the loop
         ends). Started at once, the commit's Redis command went out before the next round's
@@ -506,7 +526,7 @@ class Generator:
             metrics.HANDLES_REWRITTEN.inc()
             await self.store.save(gen.handle)
         stats.redis_ms += (time.perf_counter() - t0) * 1000
-        await emit(text, new)
+        await emit(text, new, scores)
         if new and not stats.first_token_ms:
             stats.first_token_ms = (time.perf_counter() - stats.started) * 1000
 

@@ -11,6 +11,7 @@ from orchestrator.gamma_policy import SessionPolicy
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
 from specdec.internal.v1 import replica_pb2
+from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle
 from specdec.sessions import CacheRef
@@ -29,6 +30,8 @@ class GenerationRequest:
     seeded: bool = False  # the client chose the seed: its output must be reproducible
     request_id: str = ""  # makes a retry continue the first attempt (orchestrator/request_ids.py)
     fingerprint: str = ""  # the request's fields but its id, hashed: a retry must match them
+    logprobs: bool = False  # report the new tokens' log-probabilities under the target
+    top_logprobs: int = 0  # and this many most likely tokens at each position
 
 
 @dataclass
@@ -57,7 +60,8 @@ class Outcome:
     total_ms: float
 
 
-Emit = Callable[[str, list[int]], Awaitable[None]]
+# a chunk to the client: its text, its tokens, and their log-probabilities where asked (else None)
+Emit = Callable[[str, list[int], list[TokenLogprob] | None], Awaitable[None]]
 
 
 @dataclass
@@ -85,6 +89,8 @@ class Generation:
     prompt_len: int
     last_draft_probe: float
     request_id: str = ""  # the request's id (a retry of it goes on from what was committed)
+    logprobs: bool = False  # each round's verification returns its tokens' log-probabilities
+    top_logprobs: int = 0  # with this many alternatives each
     runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)

@@ -24,6 +24,7 @@ from specdec.config import add_common_args, env, parse_args, read_secret, redis_
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of, watch_stop
+from specdec.logprobs import TokenLogprob
 from specdec.models import BUNDLED_TARGET, load_tokenizer
 from specdec.registry import Registry
 from specdec.session_store import LEASE_SECONDS, SessionStore
@@ -48,6 +49,15 @@ def stats_pb(out: Outcome) -> pb.GenerationStats:
         wire_bytes=s.wire_bytes, overlap_hits=s.overlap_hits, rounds_rejected=s.rejections, resumed_tokens=s.resumed,
         times=pb.StageTimes(draft_ms=s.draft_ms, verify_ms=s.verify_ms, redis_ms=s.redis_ms,
                             network_ms=s.network_ms, total_ms=out.total_ms, first_token_ms=s.first_token_ms))
+
+
+def logprobs_pb(tokens: list[int], scores: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    """The tokens' log-probabilities as they travel, one per token (none where not asked)."""
+    if not scores:
+        return []
+    return [pb.TokenLogprob(token_id=token, logprob=score.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in score.top])
+            for token, score in zip(tokens, scores)]
 
 
 def observe_latency(method: str, out: Outcome) -> None:
@@ -125,10 +135,12 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return None if left is None else time.monotonic() + left
 
     async def Generate(self, request, context):
-        text = []
+        text, scores = [], []
 
-        async def emit(chunk: str, new: list[int]) -> None:
+        async def emit(chunk: str, new: list[int], logprobs: list[TokenLogprob] | None) -> None:
             text.append(chunk)
+            if logprobs:
+                scores.extend(logprobs)
 
         try:
             req = await self._request(request)
@@ -144,13 +156,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         metrics.REQUESTS.labels("Generate", "OK").inc()
         observe_latency("Generate", out)
         return pb.GenerateResponse(text="".join(text), token_ids=out.tokens, session_id=out.session_id,
-                                   finish_reason=FINISH[out.finish_reason], stats=stats_pb(out))
+                                   finish_reason=FINISH[out.finish_reason], stats=stats_pb(out),
+                                   logprobs=logprobs_pb(out.tokens, scores))
 
     async def GenerateStream(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def emit(chunk: str, new: list[int]) -> None:
-            await queue.put(pb.GenerateStreamResponse(text=chunk, token_ids=new))
+        async def emit(chunk: str, new: list[int], logprobs: list[TokenLogprob] | None) -> None:
+            await queue.put(pb.GenerateStreamResponse(text=chunk, token_ids=new, logprobs=logprobs_pb(new, logprobs)))
 
         try:
             req = await self._request(request)

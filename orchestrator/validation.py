@@ -9,6 +9,7 @@ from orchestrator import request_ids
 from orchestrator.gamma_policy import MAX_GAMMA
 from orchestrator.generation import GenerationRequest
 from specdec.errors import InvalidRequest
+from specdec.logprobs import MAX_TOP
 from specdec.sampling import SamplingParams
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -56,13 +57,21 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         if not 0 <= gamma <= MAX_GAMMA:
             raise InvalidRequest(f"num_speculative_tokens must lie in 0..{MAX_GAMMA} (or be unset for "
                                  f"the adaptive policy), got {gamma}")
+    if not 0 <= pb.top_logprobs <= MAX_TOP:
+        raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, got {pb.top_logprobs}")
+    if pb.top_logprobs and not pb.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: set logprobs to true as well")
+    if pb.logprobs and pb.request_id:
+        raise InvalidRequest("logprobs cannot be combined with request_id yet: a retry's resumed tokens have no "
+                             "stored log-probabilities; send one or the other")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
                             seed=seed)
     return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
                              keep_session=pb.keep_session, seeded=pb.HasField("seed"),
-                             request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "")
+                             request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
+                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs)
 
 
 def _fingerprint(pb) -> str:

@@ -24,6 +24,11 @@ class RequestSuperseded(SpecDecError):
     its answer cannot grow any more (FAILED_PRECONDITION)."""
 
 
+class ReplicaTooOld(SpecDecError):
+    """A replica lacks what the request needs (a version from before it, mid-upgrade):
+    FAILED_PRECONDITION, since retrying the same session will not help until it is upgraded."""
+
+
 class Overloaded(SpecDecError):
     """Capacity is exhausted (RESOURCE_EXHAUSTED)."""
 

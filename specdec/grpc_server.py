@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, RequestSuperseded,
-                            SessionBusy, SessionNotFound, SpecDecError, Unavailable)
+from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, ReplicaTooOld,
+                            RequestSuperseded, SessionBusy, SessionNotFound, SpecDecError, Unavailable)
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -30,6 +30,7 @@ STATUS = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     CacheMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     RequestSuperseded: grpc.StatusCode.FAILED_PRECONDITION,
+    ReplicaTooOld: grpc.StatusCode.FAILED_PRECONDITION,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SessionBusy: grpc.StatusCode.ABORTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,

@@ -12,6 +12,7 @@ from itertools import accumulate
 
 import torch
 
+from specdec import logprobs as lp
 from specdec import native, sampling
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
@@ -26,6 +27,8 @@ class VerifyJob:
     draft_tokens: list[int]  # [γ], may be empty (target-only decoding)
     q: torch.Tensor | None  # [γ, V] float64 draft distributions; None when γ = 0, may be None when greedy
     params: sampling.SamplingParams
+    logprobs: bool = False  # return the kept tokens' log-probabilities (specdec/logprobs.py)
+    top_logprobs: int = 0  # and this many most likely tokens at each of their positions
 
     @property
     def forward_size(self) -> int:
@@ -45,6 +48,11 @@ class Verdict:
     # sampled drafts: per draft position i = 1..γ, the rule's chance that a prefix of i is kept
     # (sampling.token_keep_chances_row, or the block weights); greedy: None (the kept length tells all)
     keep_chances: list[float] | None = None
+    # with VerifyJob.logprobs, per kept token (accepted, then next_token): its log-probability
+    # under the target, and top_logprobs (token, log-probability) pairs each, flat
+    logprobs: list[float] | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
 
 class TargetEngine:
@@ -73,6 +81,8 @@ class TargetEngine:
         vocab = self.runner.vocab_size
         if any(t < 0 or t >= vocab for t in job.draft_tokens):
             raise InvalidRequest(f"draft token ids must lie in 0..{vocab - 1}")
+        if not 0 <= job.top_logprobs <= lp.MAX_TOP or job.top_logprobs and not job.logprobs:
+            raise InvalidRequest(f"top_logprobs must lie in 0..{lp.MAX_TOP}, and needs logprobs")
         self.sessions.validate(job.ref, extra=gamma)
 
     def verify(self, jobs: list[VerifyJob]) -> list[Verdict | SpecDecError]:
@@ -99,12 +109,41 @@ class TargetEngine:
             rows = sum(len(it.tokens) for it in items)
             self.fed_tokens += rows
             verdicts = self._decide([jobs[i] for i in live], logits)
+            scores = self._logprobs([jobs[i] for i in live], logits, verdicts)
             ms = (time.perf_counter() - t0) * 1000
-            for i, item, (n, token, chances) in zip(live, items, verdicts):
+            for i, item, (n, token, chances), score in zip(live, items, verdicts, scores):
                 committed = jobs[i].ref.start + len(jobs[i].ref.tokens)
                 item.cache.truncate(committed + n)  # keep the accepted prefix; next_token is pending
-                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows, chances)
+                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows, chances, *score)
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _logprobs(jobs: list[VerifyJob], logits: torch.Tensor, verdicts: list[tuple]) -> list[tuple]:
+        """The kept tokens' log-probabilities for the jobs that asked (specdec/logprobs.py),
+        in one operator over their kept rows of the packed logits → per job (log-probabilities,
+        top ids, top log-probabilities), or (None, None, None)."""
+        out: list[tuple] = [(None, None, None)] * len(jobs)
+        asking = [b for b, j in enumerate(jobs) if j.logprobs]
+        if not asking:
+            return out
+        starts = [end - len(j.draft_tokens) - 1 for end, j in zip(accumulate(len(j.draft_tokens) + 1 for j in jobs),
+                                                                   jobs)]
+        top = max(jobs[b].top_logprobs for b in asking)
+        rows, tokens, counts = [], [], []
+        for b in asking:
+            n, token = verdicts[b][0], verdicts[b][1]
+            rows.extend(range(starts[b], starts[b] + n + 1))
+            tokens.extend(jobs[b].draft_tokens[:n] + [token])
+            counts.append(n + 1)
+        chosen, ids, values = lp.token_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                                                torch.tensor(tokens), top)
+        at = 0
+        for b, count in zip(asking, counts):
+            k = jobs[b].top_logprobs
+            out[b] = (chosen[at:at + count].tolist(), ids[at:at + count, :k].flatten().tolist(),
+                      values[at:at + count, :k].flatten().tolist())
+            at += count
+        return out
 
     def _decide(self, jobs: list[VerifyJob], logits: torch.Tensor) -> list[tuple[int, int, list[float] | None]]:
         """Acceptance for the batch: greedy sessions by argmax, the others by the full rule.

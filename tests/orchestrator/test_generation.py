@@ -92,12 +92,12 @@ def test_a_rounds_commit_lands_in_place_when_the_next_round_is_applied_before_it
         ids = tokenizer(TEXT * 3)["input_ids"]
         emitted = []
 
-        async def emit(text, tokens):
+        async def emit(text, tokens, scores):
             emitted.append(tokens)
 
         def end(new, first):
             book = Round(len(new) - 1, len(new) - 1, (), len(new), 1, True, 1, 0.01, 0.005, False, ())
-            return generator._end_round(gen, book, new, None, emit, first=first)
+            return generator._end_round(gen, book, new, None, None, emit, first=first)
 
         rounds = [ids[0:3], ids[3:7], ids[7:9], ids[9:12]]
         news = [one_round(generator, gen, rounds[0])[0]]

@@ -147,3 +147,41 @@ def test_each_verdict_reports_the_rows_of_the_forward_it_shared(target_model):
     alone = engine.verify([VerifyJob(CacheRef("five", 1, 5, [first.next_token]), [3, 4, 5], None,
                                      SamplingParams(0.0))])[0]
     assert (alone.batch_size, alone.batch_tokens) == (1, 4)
+
+
+def test_logprobs_are_the_target_forwards_for_the_kept_tokens_only_where_asked(target_model):
+    """A batch of sessions asking and not asking, greedy and sampled: each asking session
+    gets, for every token it keeps (accepted drafts, then the next token), the log-softmax
+    of a plain forward of the target over its text at that position; the others nothing."""
+    engine = TargetEngine(ModelRunner(target_model))
+    V = engine.runner.vocab_size
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, V, (6 + b,), generator=g).tolist() for b in range(4)]
+    laws = [SamplingParams(0.0), SamplingParams(1.0, seed=5), SamplingParams(0.0), SamplingParams(1.0, seed=9)]
+    asks = [(True, 3), (True, 0), (False, 0), (True, 20)]
+    jobs = []
+    for b, (prompt, params, (asked, top)) in enumerate(zip(prompts, laws, asks)):
+        draft = torch.randint(0, V, (3,), generator=g).tolist()
+        q = torch.softmax(torch.randn(3, V, generator=g, dtype=torch.float64), -1)
+        jobs.append(VerifyJob(CacheRef(f"s{b}", 1, 0, prompt), draft, None if params.greedy else q, params,
+                              asked, top))
+    verdicts = engine.verify(jobs)
+    for job, verdict, (asked, top) in zip(jobs, verdicts, asks):
+        if not asked:
+            assert verdict.logprobs is None
+            continue
+        kept = job.draft_tokens[:verdict.accepted] + [verdict.next_token]
+        text = torch.tensor(job.ref.tokens + kept)
+        with torch.no_grad():
+            ref = torch.log_softmax(target_model(input_ids=text[None]).logits[0].float(), -1)
+        rows = ref[len(job.ref.tokens) - 1: len(text) - 1]
+        assert len(verdict.logprobs) == len(kept)
+        assert torch.allclose(torch.tensor(verdict.logprobs), rows[torch.arange(len(kept)), torch.tensor(kept)],
+                              atol=1e-4)
+        assert len(verdict.top_ids) == len(verdict.top_logprobs) == top * len(kept)
+        if top:
+            values, ids = rows.topk(top, dim=-1)
+            assert torch.tensor(verdict.top_ids).view(-1, top).tolist() == ids.tolist()
+            assert torch.allclose(torch.tensor(verdict.top_logprobs).view(-1, top), values, atol=1e-4)
+    refused = engine.verify([VerifyJob(CacheRef("x", 1, 0, [5]), [], None, SamplingParams(0.0), True, 21)])[0]
+    assert isinstance(refused, InvalidRequest) and "top_logprobs" in str(refused)

@@ -1,0 +1,94 @@
+"""Log-probabilities through the whole stack (specdec/logprobs.py): each new token's, and
+the most likely alternatives, are those of a plain forward of the bundled target over the
+prompt and the answer, whatever the request sampled with, unary or streamed, speculating
+or not; asking for them changes no token."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.e2e.helpers import api, request
+
+pytestmark = pytest.mark.e2e
+
+
+def target_logprobs(model, tokens: list[int], start: int) -> torch.Tensor:
+    """The log-softmax rows that predict tokens[start:], by the target alone."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, -1)[start - 1:len(tokens) - 1]
+
+
+def check_against_the_target(model, prompt_ids: list[int], tokens: list[int], logprobs, top: int) -> None:
+    assert [item.token_id for item in logprobs] == tokens
+    rows = target_logprobs(model, prompt_ids + tokens, len(prompt_ids))
+    got = torch.tensor([item.logprob for item in logprobs])
+    assert torch.allclose(got, rows[torch.arange(len(tokens)), torch.tensor(tokens)], atol=2e-3)
+    for item, row in zip(logprobs, rows):
+        assert len(item.top) == top
+        if top:
+            values, ids = row.topk(top)
+            assert [t.token_id for t in item.top][:2] == ids.tolist()[:2]  # ties past the first may swap
+            assert torch.allclose(torch.tensor([t.logprob for t in item.top]), values, atol=2e-3)
+
+
+CASES = {"greedy_adaptive": dict(temperature=0.0), "seeded_gamma4": dict(temperature=1.0, gamma=4, seed=5),
+         "target_only": dict(temperature=0.8, gamma=0, seed=3), "top_k": dict(temperature=1.0, top_k=5, seed=9)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_answer_s_logprobs_are_the_target_s_and_change_no_token(local_stack, target_model, tokenizer, case):
+    stub = api(local_stack.orchestrator_address)
+    prompt = "def parse(line):\n    "
+    plain = stub.Generate(request(prompt, 48, **CASES[case]), timeout=120)
+    assert not plain.logprobs
+    asked = stub.Generate(request(prompt, 48, **CASES[case], logprobs=True, top_logprobs=4), timeout=120)
+    if "seed" in CASES[case] or CASES[case]["temperature"] == 0:
+        assert list(asked.token_ids) == list(plain.token_ids)
+    check_against_the_target(target_model, tokenizer(prompt)["input_ids"], list(asked.token_ids), asked.logprobs, 4)
+    if CASES[case]["temperature"] == 0:  # greedy: each token is the likeliest, its logprob the top one's
+        assert all(item.top[0].token_id == item.token_id for item in asked.logprobs)
+
+
+def test_a_stream_s_chunks_carry_their_tokens_logprobs_cut_with_them_at_a_stop(local_stack, target_model,
+                                                                              tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    prompt = "def main():\n"
+    whole = stub.Generate(request(prompt, 64, temperature=0.0, logprobs=True), timeout=120)
+    text = whole.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # ends the answer mid-round, most likely
+    chunks = list(stub.GenerateStream(request(prompt, 64, temperature=0.0, logprobs=True, stop=[stop]), timeout=120))
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+    tokens = [t for c in chunks for t in c.token_ids]
+    for chunk in chunks:
+        assert [item.token_id for item in chunk.logprobs] == list(chunk.token_ids)
+    logprobs = [item for c in chunks for item in c.logprobs]
+    assert tokens == list(whole.token_ids[:len(tokens)]) and len(tokens) < len(whole.token_ids)
+    check_against_the_target(target_model, tokenizer(prompt)["input_ids"], tokens, logprobs, 0)
+    assert torch.allclose(torch.tensor([item.logprob for item in logprobs]),
+                          torch.tensor([item.logprob for item in whole.logprobs[:len(tokens)]]), atol=1e-4)
+
+
+def test_a_kept_session_s_logprobs_condition_on_its_history(local_stack, target_model, tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    first = stub.Generate(request("class Stack:\n", 24, keep_session=True), timeout=120)
+    second = stub.Generate(request("\n    def push(self, x):", 24, session_id=first.session_id, logprobs=True,
+                                   top_logprobs=1), timeout=120)
+    stub.EndSession(pb.EndSessionRequest(session_id=first.session_id))
+    history = tokenizer("class Stack:\n")["input_ids"] + list(first.token_ids) + \
+        tokenizer("\n    def push(self, x):")["input_ids"]
+    check_against_the_target(target_model, history, list(second.token_ids), second.logprobs, 1)
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs must lie in 0..20"),
+    (dict(top_logprobs=3), "top_logprobs needs logprobs"),
+    (dict(logprobs=True, request_id="r-1"), "logprobs cannot be combined with request_id"),
+])
+def test_bad_logprob_fields_are_refused_clearly(local_stack, fields, says):
+    stub = api(local_stack.orchestrator_address)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request("x", 4, **fields), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()

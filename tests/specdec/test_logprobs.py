@@ -1,0 +1,34 @@
+"""The pure log-probability functions (specdec/logprobs.py)."""
+import math
+
+import torch
+
+from specdec import logprobs as lp
+
+
+def test_chosen_and_top_log_probabilities_are_the_log_softmax_of_the_rows():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g) * 3
+    tokens = torch.tensor([7, 0, 49, 21])
+    chosen, ids, values = lp.token_logprobs(logits, tokens, top=5)
+    probs = torch.softmax(logits.double(), -1)
+    for i, t in enumerate(tokens.tolist()):
+        assert math.isclose(chosen[i].item(), math.log(probs[i, t].item()), abs_tol=1e-5)
+        order = probs[i].argsort(descending=True)[:5]
+        assert ids[i].tolist() == order.tolist()
+        assert torch.allclose(values[i].double(), probs[i, order].log(), atol=1e-5)
+    assert ids.dtype == torch.int32 and values.dtype == chosen.dtype == torch.float32
+
+
+def test_no_top_gives_empty_columns_and_bf16_rows_are_read_in_float32():
+    logits = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    chosen, ids, values = lp.token_logprobs(logits, torch.tensor([2]))
+    assert ids.shape == values.shape == (1, 0)
+    assert chosen.dtype == torch.float32
+    assert math.isclose(chosen.item(), 3 - math.log(math.exp(1) + math.exp(2) + math.exp(3)), abs_tol=1e-6)
+
+
+def test_records_split_the_flat_fields_per_token():
+    recs = lp.records([-0.5, -1.5], [3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4], top=2)
+    assert recs == [lp.TokenLogprob(-0.5, ((3, -0.1), (4, -0.2))), lp.TokenLogprob(-1.5, ((5, -0.3), (6, -0.4)))]
+    assert lp.records([-0.5], [], [], top=0) == [lp.TokenLogprob(-0.5)]
