@@ -34,9 +34,10 @@ from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_US
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
 from specdec import logprobs, metrics, rounds
-from specdec.errors import DeadlineExceeded, InvalidRequest, Overloaded, ReplicaTooOld, RequestSuperseded, Unavailable
+from specdec.errors import (DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed, RequestSuperseded,
+                            Unavailable)
 from specdec.internal.v1 import replica_pb2
-from specdec.session_store import RoundCommit, SessionHandle, SessionStore
+from specdec.session_store import AnswerScores, RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
 from specdec.wire_pb import ref_to_pb
 
@@ -172,9 +173,19 @@ class Generator:
         metrics.REQUESTS_RESUMED.labels("answered" if reason else "continued").inc()
         gen.stats.resumed = len(tokens)
         if tokens:
-            await emit(text, list(tokens), [] if gen.logprobs else None)
+            await emit(text, list(tokens), await self._stored_scores(gen, req, opened) if gen.logprobs else None)
             gen.stats.first_token_ms = (time.perf_counter() - gen.stats.started) * 1000
         return reason
+
+    async def _stored_scores(self, gen: Generation, req: GenerationRequest,
+                             opened: Opened) -> list[logprobs.TokenLogprob]:
+        """The log-probabilities the earlier attempts committed with the resumed tokens."""
+        data = await self.store.load_scores(gen.handle.session_id, opened.start)
+        scores = logprobs.unpack(data, gen.top_logprobs, len(opened.resumed))
+        if scores is None:
+            raise PreconditionFailed(f"the log-probabilities of request {req.request_id!r} are no longer kept (lost "
+                                     "with a Redis that lost its writes); send it as a new request")
+        return scores
 
     # ----------------------------------------------------------------- one call each
     def _timeout(self, deadline: float | None) -> float:
@@ -478,7 +489,7 @@ class Generator:
             return None
         top = gen.top_logprobs
         if len(verdict.logprobs) < kept or len(verdict.top_token_ids) < kept * top:
-            raise ReplicaTooOld(f"target replica {gen.handle.target_replica} returned no log-probabilities (a "
+            raise PreconditionFailed(f"target replica {gen.handle.target_replica} returned no log-probabilities (a "
                                 "version from before them?); retry without logprobs, or once the pool is upgraded")
         return logprobs.records(verdict.logprobs[:kept], verdict.top_token_ids[:kept * top],
                                 verdict.top_logprobs[:kept * top], top)
@@ -494,7 +505,11 @@ class Generator:
         release = asyncio.Event()
         if first:
             release.set()
-        commit = self.store.round_commit(gen.handle, new)
+        stored = None
+        if scores is not None and gen.request_id:  # kept for a retry to send again (`_stored_scores`)
+            offset = (gen.handle.length - len(new) - gen.prompt_len) * logprobs.record_bytes(gen.top_logprobs)
+            stored = AnswerScores(gen.prompt_len, offset, logprobs.pack(scores, gen.top_logprobs))
+        commit = self.store.round_commit(gen.handle, new, stored)
         return release, asyncio.ensure_future(self._finish_round(release, gen, book, commit, new, text, scores,
                                                                  emit))
 
@@ -601,6 +616,6 @@ class Generator:
                 await self.store.save(kept, ttl=self.retry_window)
                 await self.store.unlock(handle.session_id, handle.owner)
             else:
-                await self.store.delete(handle.session_id)
+                await self.store.delete(handle.session_id, handle.answer_starts)
         except Unavailable:
             pass  # the handle expires by TTL

@@ -24,9 +24,10 @@ class RequestSuperseded(SpecDecError):
     its answer cannot grow any more (FAILED_PRECONDITION)."""
 
 
-class ReplicaTooOld(SpecDecError):
-    """A replica lacks what the request needs (a version from before it, mid-upgrade):
-    FAILED_PRECONDITION, since retrying the same session will not help until it is upgraded."""
+class PreconditionFailed(SpecDecError):
+    """The system is not in the state the request needs, and sending it again as it is
+    will not help (FAILED_PRECONDITION): a replica from before a feature the request uses,
+    mid-upgrade; a retry's stored log-probabilities expired."""
 
 
 class Overloaded(SpecDecError):

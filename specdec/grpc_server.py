@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, ReplicaTooOld,
+from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed,
                             RequestSuperseded, SessionBusy, SessionNotFound, SpecDecError, Unavailable)
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ STATUS = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     CacheMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     RequestSuperseded: grpc.StatusCode.FAILED_PRECONDITION,
-    ReplicaTooOld: grpc.StatusCode.FAILED_PRECONDITION,
+    PreconditionFailed: grpc.StatusCode.FAILED_PRECONDITION,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SessionBusy: grpc.StatusCode.ABORTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,

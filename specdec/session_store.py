@@ -40,15 +40,21 @@ LEASE_SECONDS = 30.0  # how long a call holds its session without a round's comm
 # atomically, like the transaction. First the lease: held by this call, or by none, and
 # the handle still there, it is renewed; else nothing is written: 0 = another call holds
 # the session, -1 = the handle is gone (SETRANGE would bring it back as zero bytes up to
-# the offset). KEYS: meta, tokens, lock; ARGV: byte offset, token bytes, TTL, owner, lease
-# in ms, then the handle's fields and values.
+# the offset). KEYS: meta, tokens, lock, and where the round has them, the log-probabilities
+# of its request's answer (AnswerScores); ARGV: byte offset, token bytes, TTL, owner, lease
+# in ms, the log-probabilities' byte offset and bytes (unused without the fourth key), then
+# the handle's fields and values.
 COMMIT_SCRIPT = """
 local holder = redis.call('GET', KEYS[3])
 if holder and holder ~= ARGV[4] then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
 redis.call('SETRANGE', KEYS[2], tonumber(ARGV[1]), ARGV[2])
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+if KEYS[4] then
+  redis.call('SETRANGE', KEYS[4], tonumber(ARGV[6]), ARGV[7])
+  redis.call('EXPIRE', KEYS[4], ARGV[3])
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
@@ -85,6 +91,12 @@ class SessionHandle:
     def length(self) -> int:
         return len(self.committed)
 
+    @property
+    def answer_starts(self) -> list[int]:
+        """Where each recorded request's answer starts (a record's third entry,
+        orchestrator/request_ids.RequestMark): what names its stored log-probabilities."""
+        return [int(item[2]) for item in self.requests]
+
 
 def _tokens_bytes(tokens: list[int]) -> bytes:
     return np.asarray(tokens, dtype=np.int32).tobytes()
@@ -98,6 +110,18 @@ def _meta(handle: SessionHandle) -> dict:
     if handle.policy:
         meta["policy"] = handle.policy
     return meta
+
+
+@dataclass(frozen=True)
+class AnswerScores:
+    """A round's log-probabilities (specdec/logprobs.py `pack`) for a request with an id that
+    asked for them, committed with its tokens in the same script, so that a retry finds both
+    or neither and sends them again. One key per request, named by where its answer starts;
+    it expires with the session's TTL, renewed by that request's rounds and by every write
+    of the whole handle (a later request on the session), and goes with the handle."""
+    answer_start: int
+    offset: int  # of this round's records, in bytes
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,8 @@ class SessionStore:
                 pipe.set(toks, _tokens_bytes(handle.committed))
                 pipe.expire(meta, ttl)
                 pipe.expire(toks, ttl)
+                for start in handle.answer_starts:  # its requests' log-probabilities live as long
+                    pipe.expire(self.scores_key(handle.session_id, start), ttl)
                 if handle.owner:
                     pipe.set(self._lock_key(handle.session_id), handle.owner, px=self.lease_ms)
                 await pipe.execute()
@@ -170,7 +196,18 @@ class SessionStore:
                              cursor, json.loads(meta["params"]), requests=json.loads(meta.get("requests", "[]")),
                              policy=meta.get("policy", ""))
 
-    def round_commit(self, handle: SessionHandle, new_tokens: list[int]) -> RoundCommit:
+    def scores_key(self, session_id: str, answer_start: int) -> str:
+        return f"{PREFIX}{session_id}:logprobs:{answer_start}"
+
+    async def load_scores(self, session_id: str, answer_start: int) -> bytes:
+        """The log-probabilities stored for the request whose answer starts there (b"": none)."""
+        try:
+            return await self.redis.get(self.scores_key(session_id, answer_start)) or b""
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    def round_commit(self, handle: SessionHandle, new_tokens: list[int],
+                     scores: AnswerScores | None = None) -> RoundCommit:
         """A round's commit as the handle stands *now*: the round's tokens and what the caches
         hold after it. Taken as the round ends, because the commit itself runs later, beside
         the next round's calls, and that round may already have changed the handle by then
@@ -178,10 +215,14 @@ class SessionStore:
         their place). `handle.committed` already includes new_tokens. Every write is
         absolute (SETRANGE at an offset, the whole cursor), so a commit may be retried."""
         offset = 4 * (handle.length - len(new_tokens))
-        args = [offset, _tokens_bytes(new_tokens), self.ttl, handle.owner, self.lease_ms]
+        args = [offset, _tokens_bytes(new_tokens), self.ttl, handle.owner, self.lease_ms,
+                scores.offset if scores else 0, scores.data if scores else b""]
         for field_value in _meta(handle).items():
             args.extend(field_value)
-        return RoundCommit([*self._keys(handle.session_id), self._lock_key(handle.session_id)], args)
+        keys = [*self._keys(handle.session_id), self._lock_key(handle.session_id)]
+        if scores is not None:
+            keys.append(self.scores_key(handle.session_id, scores.answer_start))
+        return RoundCommit(keys, args)
 
     async def commit(self, commit: RoundCommit) -> bool:
         """One atomic script (the stored length guards readers against a partially applied
@@ -215,9 +256,11 @@ class SessionStore:
         """Rewrite a whole handle (after a prompt is appended or the session is re-homed)."""
         await self.create(handle, ttl)
 
-    async def delete(self, session_id: str) -> bool:
+    async def delete(self, session_id: str, answer_starts: list[int] = ()) -> bool:
+        """Delete the handle, its lock, and the log-probabilities stored for its requests."""
+        scores = [self.scores_key(session_id, start) for start in answer_starts]
         try:
-            return bool(await self.redis.delete(*self._keys(session_id), self._lock_key(session_id)))
+            return bool(await self.redis.delete(*self._keys(session_id), self._lock_key(session_id), *scores))
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 

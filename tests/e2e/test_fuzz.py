@@ -31,7 +31,8 @@ def any_request(draw) -> pb.GenerateRequest:
     """Every field drawn at random, in or out of range, set or not."""
     r = pb.GenerateRequest(max_new_tokens=draw(small_or_any(-2, MAX_NEW_TOKENS + 2)), top_k=draw(small_or_any(-2, 50)),
                            session_id=draw(session_ids), keep_session=draw(st.booleans()),
-                           request_id=draw(request_ids))
+                           request_id=draw(request_ids), logprobs=draw(st.booleans()),
+                           top_logprobs=draw(small_or_any(-2, 25)))
     if draw(st.booleans()):
         r.prompt = draw(st.text(max_size=200))
     if draw(st.booleans()):
@@ -58,6 +59,8 @@ def valid_request(draw) -> pb.GenerateRequest:
         r.top_p = draw(st.floats(0.05, 1.0))
     if draw(st.booleans()):
         r.num_speculative_tokens = draw(st.integers(0, MAX_GAMMA))
+    if draw(st.booleans()):
+        r.logprobs, r.top_logprobs = True, draw(st.integers(0, 20))
     r.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     return r
 
@@ -120,6 +123,9 @@ def check_one(state, case) -> None:
     if code == grpc.StatusCode.OK and method != "EndSession":
         last = (pb.GenerateStreamResponse if method == "GenerateStream" else pb.GenerateResponse).FromString(out[-1])
         assert 0 < last.stats.generated_tokens <= MAX_NEW_TOKENS
+        if method == "Generate" and kind == "valid":  # one log-probability per token where asked, else none
+            assert len(last.logprobs) == (len(last.token_ids) if payload.logprobs else 0)
+            assert all(len(item.top) == payload.top_logprobs for item in last.logprobs)
         if wants_kept(payload):
             state["kept"].add(last.session_id)
     state["calls"][code.name] = state["calls"].get(code.name, 0) + 1

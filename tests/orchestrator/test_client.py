@@ -46,6 +46,24 @@ def test_json_output_and_a_prompt_from_stdin(local_stack):
     assert again["token_ids"] == reply["token_ids"]
 
 
+def test_logprobs_in_json_and_their_sum_after_a_stream(local_stack):
+    want = api(local_stack.orchestrator_address).Generate(
+        request("def parse(line):\n", 16, 0.0, logprobs=True), timeout=60)
+    total = sum(item.logprob for item in want.logprobs)
+    reply = json.loads(client("def parse(line):\n", "--address", local_stack.orchestrator_address,
+                              "--max-new-tokens", "16", "--json", "--top-logprobs", "2").stdout)
+    assert [item["token_id"] for item in reply["logprobs"]] == reply["token_ids"]
+    assert all(len(item["top"]) == 2 for item in reply["logprobs"])
+    done = client("def parse(line):\n", "--address", local_stack.orchestrator_address, "--max-new-tokens", "16",
+                  "--logprobs")
+    assert done.returncode == 0, done.stderr
+    said = re.search(r"logprobs of 16 tokens: sum (-?[\d.]+), mean -?[\d.]+, perplexity [\d.]+", done.stderr)
+    assert said and abs(float(said.group(1)) - total) < 0.01
+    assert "logprobs" not in client("x", "--address", local_stack.orchestrator_address, "--max-new-tokens", "2").stderr
+    bad = client("x", "--address", local_stack.orchestrator_address, "--top-logprobs", "21")
+    assert bad.returncode == 2 and "--top-logprobs must lie in 0..20" in bad.stderr
+
+
 def test_a_conversation_kept_continued_and_ended(local_stack):
     address = local_stack.orchestrator_address
     first = client("class Stack:\n", "--address", address, "--max-new-tokens", "8", "--keep-session")

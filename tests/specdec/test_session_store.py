@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from specdec.errors import SessionBusy, SessionNotFound
 from specdec.rounds import Cursor
-from specdec.session_store import PREFIX, SessionHandle, SessionStore
+from specdec.session_store import PREFIX, AnswerScores, SessionHandle, SessionStore
 
 
 def _handle() -> SessionHandle:
@@ -67,6 +67,37 @@ def test_request_records_outlive_round_commits_and_the_policy_goes_with_them(red
         again = await store.load("s1")
         assert again.policy == "" and again.requests == loaded.requests
         assert 0 < await client.ttl(PREFIX + "s1") <= 7 and 0 < await client.ttl(PREFIX + "s1:tokens") <= 7
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_request_s_log_probabilities_commit_with_its_tokens_and_live_and_go_with_the_handle(redis_server):
+    """Rounds that carry log-probabilities write them at their offset in their request's key,
+    in the same script as the tokens (a round refused for another owner writes neither);
+    a write of the whole handle gives them its TTL, and deleting the handle deletes them."""
+    async def go():
+        client, store, handle = await _new_session(redis_server.url)
+        handle.requests = [["r1", "fp", 3, -1]]
+        await store.save(handle)
+        key = store.scores_key("s1", 3)
+        for offset, data, token in ((0, b"AAAA", 14), (4, b"BBBBCCCC", 15)):
+            handle.committed.append(token)
+            await store.commit(store.round_commit(handle, [token], AnswerScores(3, offset, data)))
+        assert await store.load_scores("s1", 3) == b"AAAABBBBCCCC" and 25 < await client.ttl(key) <= 30
+        assert await store.load_scores("s1", 9) == b""
+        handle.committed.append(16)
+        refused = store.round_commit(handle, [16], AnswerScores(3, 12, b"DDDD"))
+        await client.set(PREFIX + "s1:lock", "someone else")
+        with pytest.raises(SessionBusy):
+            await store.commit(refused)
+        assert await store.load_scores("s1", 3) == b"AAAABBBBCCCC"
+        assert (await store.load("s1")).committed == [11, 12, 13, 14, 15]
+        await client.delete(PREFIX + "s1:lock")
+        await store.save(handle, ttl=7)
+        assert 0 < await client.ttl(key) <= 7
+        assert await store.delete("s1", handle.answer_starts)
+        assert not await client.exists(key)
         await client.aclose()
 
     asyncio.run(go())
