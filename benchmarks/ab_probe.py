@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
+
+from google.protobuf import json_format
 
 from benchmarks.remote import StackClient
 from benchmarks.runs import MODES, make_requests, pass_seed_base
 from benchmarks.stack_probe import STACK_GAMMA, add_workload_args
 from localstack.stack import LocalStack
 from specdec.models import load_tokenizer
+from specdec.v1 import orchestrator_pb2 as pb
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -48,8 +52,20 @@ def parse_runs(text: str) -> list[tuple[str, int, str]]:
     return runs
 
 
+def parse_fields(texts: list[str]) -> dict[str, pb.GenerateRequest]:
+    """'name=JSON' → that arm's request fields, e.g. lp='{"logprobs": true, "top_logprobs": 20}'."""
+    fields = {}
+    for text in texts:
+        name, _, body = text.partition("=")
+        try:
+            fields[name] = json_format.ParseDict(json.loads(body), pb.GenerateRequest())
+        except (ValueError, json_format.ParseError) as exc:
+            raise SystemExit(f"--fields {text!r}: write name=JSON of GenerateRequest fields ({exc})") from exc
+    return fields
+
+
 async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, per_stream: int, max_new: int,
-                    warm_up: float) -> dict[tuple, list[float]]:
+                    warm_up: float, fields: dict[str, pb.GenerateRequest] | None = None) -> dict[tuple, list[float]]:
     clients = {name: StackClient(address) for name, address in addresses.items()}
     results: dict[tuple, list[float]] = {}
     try:
@@ -60,7 +76,8 @@ async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, pe
             for mode, streams, system in runs:
                 requests = make_requests(prompt_ids, max(len(prompt_ids), per_stream * streams), pass_seed_base(k))
                 for arm in order:
-                    run = await clients[arm].run(system, requests, mode, streams, max_new, STACK_GAMMA[system])
+                    run = await clients[arm].run(system, requests, mode, streams, max_new, STACK_GAMMA[system],
+                                                 (fields or {}).get(arm))
                     results.setdefault((mode, streams, system, arm), []).append(run.tps)
                     shape = (f" γ {run.drafted / run.rounds:.2f} pre-drafted {run.overlap_hits / run.rounds:.2f}"
                              if run.rounds else "")
@@ -77,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arm", action="append", default=[],
                     help="name=ORCHESTRATOR_FLAGS, once per arm (at least two), e.g. --arm base= "
                          "--arm off='--overlap-min-hit 2'")
+    ap.add_argument("--fields", action="append", default=[],
+                    help="name=JSON: request fields that arm's requests carry besides the workload's, e.g. "
+                         "--arm plain= --arm lp= --fields lp='{\"logprobs\": true, \"top_logprobs\": 20}'")
     ap.add_argument("--runs", default="t1:1:e", help="mode:streams:system runs per round, comma-separated "
                     "(system d = fixed γ 4, e = adaptive, f = target only; default t1:1:e)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all arms (default 3)")
@@ -89,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(arms) < 2 or len({name for name, _ in arms}) != len(arms):
         raise SystemExit("give at least two --arm name=FLAGS, with different names")
     runs = parse_runs(args.runs)
+    fields = parse_fields(args.fields)
+    unknown = set(fields) - {name for name, _ in arms}
+    if unknown:
+        raise SystemExit(f"--fields names arms that are not given with --arm: {', '.join(sorted(unknown))}")
     if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens) < 1:
         raise SystemExit("--rounds, --prompts, --per-stream and --max-new-tokens must be at least 1")
     from training.corpus import heldout_prompts
@@ -103,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         addresses = {name: stack.start_orchestrator(wait=False, extra=flags).address for name, flags in arms}
         stack.wait_all(1, 1)
         results = asyncio.run(alternate(addresses, prompt_ids, runs, args.rounds, args.per_stream,
-                                        args.max_new_tokens, args.warm_up))
+                                        args.max_new_tokens, args.warm_up, fields))
     finally:
         stack.stop()
     print("\n| run | arm | mean tok/s | runs |\n|---|---|---|---|")

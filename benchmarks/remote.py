@@ -94,7 +94,8 @@ class StackClient:
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
 
     async def run(self, system: str, requests: list[Request], mode: str, concurrency: int, max_new: int,
-                  gamma: int | None) -> RunResult:
+                  gamma: int | None, fields: pb.GenerateRequest | None = None) -> RunResult:
+        """The requests, `concurrency` at a time; `fields` (say logprobs) merged into each."""
         res = RunResult(system, mode, concurrency, gamma, stage_ms=dict.fromkeys(STAGES, 0.0),
                         tried=0 if gamma else None)
         done: dict[int, tuple] = {}
@@ -105,7 +106,10 @@ class StackClient:
         async def worker() -> None:
             while not queue.empty():
                 r = queue.get_nowait()
-                done[r.index] = await self.one(_request(r, mode, max_new, gamma))
+                req = _request(r, mode, max_new, gamma)
+                if fields is not None:
+                    req.MergeFrom(fields)
+                done[r.index] = await self.one(req)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -121,7 +121,7 @@ def test_each_pass_samples_its_own_texts_with_seeds_shared_by_its_systems():
 
 
 def test_ab_probe_reads_arms_and_runs_and_refuses_the_rest():
-    from benchmarks.ab_probe import parse_arm, parse_runs
+    from benchmarks.ab_probe import parse_arm, parse_fields, parse_runs
 
     assert parse_arm("off=--overlap-min-hit 2") == ("off", ["--overlap-min-hit", "2"])
     assert parse_arm("base=") == ("base", [])
@@ -131,6 +131,11 @@ def test_ab_probe_reads_arms_and_runs_and_refuses_the_rest():
             parse_runs(bad)
     with pytest.raises(SystemExit, match="name=FLAGS"):
         parse_arm("--overlap-min-hit 2")
+    fields = parse_fields(['lp={"logprobs": true, "top_logprobs": 20}'])
+    assert fields["lp"].logprobs and fields["lp"].top_logprobs == 20
+    for bad in ("lp={not json", 'lp={"no_such_field": 1}'):
+        with pytest.raises(SystemExit, match="name=JSON"):
+            parse_fields([bad])
 
 
 def test_targets_table_shows_each_pass_beside_the_pooled_ratio():
