@@ -36,8 +36,9 @@ from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
                              stop=args.stop or [], session_id=args.session_id or "", keep_session=args.keep_session,
-                             request_id=args.request_id or "", logprobs=args.logprobs or bool(args.top_logprobs),
-                             top_logprobs=args.top_logprobs)
+                             request_id=args.request_id or "",
+                             logprobs=args.logprobs or bool(args.top_logprobs) and not args.prompt_logprobs,
+                             top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs)
     req.temperature = args.temperature
     if args.top_p is not None:
         req.top_p = args.top_p
@@ -81,8 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "the failed attempt stopped (default 0)")
     ap.add_argument("--logprobs", action="store_true", help="ask for each new token's log-probability under the "
                     "target (in the --json response; streamed, their sum and perplexity follow the stats)")
+    ap.add_argument("--prompt-logprobs", action="store_true", help="ask for the prompt tokens' log-probabilities "
+                    "too (each given what comes before it; not with --request-id or --retries)")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K",
-                    help="with them, the K (0..20) most likely tokens at each position (implies --logprobs)")
+                    help="with them, the K (0..20) most likely tokens at each position (implies --logprobs "
+                         "unless --prompt-logprobs is given)")
     ap.add_argument("--end-session", metavar="ID", help="end this kept session, releasing its caches, and exit "
                     "(no prompt)")
     ap.add_argument("--json", action="store_true", help="print the whole response as one JSON object when it "
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a prompt ('-' reads standard input), or --end-session ID")
     if not 0 <= args.top_logprobs <= 20:
         ap.error(f"--top-logprobs must lie in 0..20, got {args.top_logprobs}")
+    if args.prompt_logprobs and (args.retries or args.request_id):
+        ap.error("--prompt-logprobs cannot be combined with --request-id or --retries (a retry does not feed its "
+                 "prompt again)")
     if args.retries < 0:
         ap.error(f"--retries must be 0 or more, got {args.retries}")
     if args.prompt == "-":
@@ -171,10 +178,10 @@ class Shown:
             self.chars = len(answer_so_far)
 
 
-def format_logprobs(logprobs: list[float]) -> str:
+def format_logprobs(logprobs: list[float], what: str = "logprobs") -> str:
     total = sum(logprobs)
     mean = total / len(logprobs) if logprobs else 0.0
-    return f"logprobs of {len(logprobs)} tokens: sum {total:.3f}, mean {mean:.3f}, perplexity {math.exp(-mean):.3f}"
+    return f"{what} of {len(logprobs)} tokens: sum {total:.3f}, mean {mean:.3f}, perplexity {math.exp(-mean):.3f}"
 
 
 def stream(stub, req: pb.GenerateRequest, timeout: float, metadata, shown: Shown) -> None:
@@ -187,6 +194,9 @@ def stream(stub, req: pb.GenerateRequest, timeout: float, metadata, shown: Shown
         if chunk.HasField("stats"):
             print(f"\n{format_stats(chunk.stats)}\nsession {chunk.session_id}, finish "
                   f"{pb.FinishReason.Name(chunk.finish_reason)}", file=sys.stderr)
+            if req.prompt_logprobs:
+                print(format_logprobs([item.logprob for item in chunk.prompt_logprobs], "prompt logprobs"),
+                      file=sys.stderr)
             if req.logprobs:
                 print(format_logprobs(logprobs), file=sys.stderr)
 

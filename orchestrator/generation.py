@@ -27,8 +27,8 @@ from orchestrator import request_ids, round_book
 from orchestrator.draft_waits import DraftWaits
 from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.governor import LoadGovernor
-from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Opened, Outcome, Proposal, Round,
-                                     Stats)
+from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Opened, Outcome, PromptScores, Proposal,
+                                     Round, Stats)
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
@@ -233,13 +233,17 @@ class Generator:
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
             try:
                 await self._feed_in_chunks(gen, "target")
+                self._rewind_for_scores(gen)
                 ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
                 request = replica_pb2.VerifyRequest(
                     cache=ref_to_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb)
                 if gen.logprobs:
                     request.logprobs, request.top_logprobs = True, gen.top_logprobs
+                scoring = self._ask_fed_scores(gen, request, ref)
                 t0 = time.perf_counter()
                 resp = await gen.links.verify(handle.target_replica, request, self._timeout(deadline))
+                if scoring:
+                    gen.prompt_scores.note(ref.start, resp)
             except grpc.aio.AioRpcError as exc:
                 failed |= self._on_error(exc, handle, "target", deadline, stats)
                 continue
@@ -260,6 +264,8 @@ class Generator:
         raise, as the round's own call would."""
         chunk, handle = self.prefill_chunk, gen.handle
         while not gen.closed:  # handle.cursor is read afresh: a round may replace it meanwhile
+            if kind == "target":
+                self._rewind_for_scores(gen)
             start = handle.cursor.draft_len if kind == "draft" else handle.cursor.target_len
             if not self._chunk_calls(len(handle.committed) - start):
                 return
@@ -272,10 +278,30 @@ class Generator:
             else:
                 ref = CacheRef(handle.session_id, handle.epoch, start, feed, handle.cursor.target_resync)
                 request = replica_pb2.VerifyRequest(cache=ref_to_pb(ref), sampling=gen.params_pb)
+                scoring = self._ask_fed_scores(gen, request, ref)
                 t0 = time.perf_counter()
-                await gen.links.verify(handle.target_replica, request, self._timeout(gen.deadline))
+                resp = await gen.links.verify(handle.target_replica, request, self._timeout(gen.deadline))
+                if scoring:
+                    gen.prompt_scores.note(start, resp)
                 gen.stats.verify_ms += (time.perf_counter() - t0) * 1000
                 handle.cursor.target_len, handle.cursor.target_resync = start + chunk, False
+
+    @staticmethod
+    def _rewind_for_scores(gen: Generation) -> None:
+        """Where the next target call would feed first a prompt token not scored yet, it
+        feeds from the token before instead: that token's row is what predicts it."""
+        scores, cursor = gen.prompt_scores, gen.handle.cursor
+        if scores is not None and cursor.target_len > 0 and scores.missing(cursor.target_len):
+            cursor.target_len, cursor.target_resync = cursor.target_len - 1, True
+
+    @staticmethod
+    def _ask_fed_scores(gen: Generation, request: replica_pb2.VerifyRequest, ref: CacheRef) -> bool:
+        """Ask a target call for its fed tokens' log-probabilities where it feeds prompt
+        tokens not scored yet (PromptScores) → whether it was asked."""
+        if gen.prompt_scores is None or not gen.prompt_scores.wants(ref.start, len(ref.tokens)):
+            return False
+        request.fed_logprobs, request.top_logprobs = True, gen.top_logprobs
+        return True
 
     def _chunk_calls(self, lacking: int) -> int:
         """The calls of their own `_feed_in_chunks` makes for a cache `lacking` this many tokens."""
@@ -320,6 +346,8 @@ class Generator:
         if opened.retry and not opened.older:  # the first attempt's seed, drawn where the client gave none
             req = replace(req, params=replace(req.params, seed=int(handle.params.get("seed", req.params.seed))))
         gen = self._begin(req, handle, deadline, opened.start)
+        if req.prompt_logprobs:
+            self._score_prompt(gen, opened.start - len(req.prompt_ids), opened.start)
         if opened.retry and handle.policy and gen.keeps_policy:
             gen.policy = SessionPolicy.restore(handle.policy)
         gen.stats.started = t_start
@@ -389,8 +417,10 @@ class Generator:
             closing.add_done_callback(self._closing.discard)
             await asyncio.shield(closing)
         metrics.TOKENS.inc(len(generated) - len(opened.resumed))
+        prompt = None if gen.prompt_scores is None else gen.prompt_scores.result(handle.committed,
+                                                                                  handle.target_replica)
         return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
-                       handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000)
+                       handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000, prompt)
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None,
                prompt_len: int) -> Generation:
@@ -403,6 +433,14 @@ class Generator:
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
             top_logprobs=req.top_logprobs)
+
+    @staticmethod
+    def _score_prompt(gen: Generation, before: int, start: int) -> None:
+        """Gather the prompt's log-probabilities from the target calls that feed it. A cache
+        holds less than the committed tokens (specdec/rounds.py), so the target's holds none
+        of the prompt, and the calls that feed it compute the rows that predict its tokens;
+        `_rewind_for_scores` adds the row before each call's first token."""
+        gen.prompt_scores = PromptScores(max(before, 1), start, gen.top_logprobs)
 
     async def _probe_draft_pool(self, gen: Generation) -> None:
         """A session decoding target-only for want of a draft replica looks for one again

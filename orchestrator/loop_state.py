@@ -11,6 +11,8 @@ from orchestrator.gamma_policy import SessionPolicy
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
 from specdec.internal.v1 import replica_pb2
+from specdec import logprobs
+from specdec.errors import PreconditionFailed
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.session_store import SessionHandle
@@ -32,6 +34,7 @@ class GenerationRequest:
     fingerprint: str = ""  # the request's fields but its id, hashed: a retry must match them
     logprobs: bool = False  # report the new tokens' log-probabilities under the target
     top_logprobs: int = 0  # and this many most likely tokens at each position
+    prompt_logprobs: bool = False  # report the prompt tokens' log-probabilities too
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Outcome:
     draft_replica: str
     target_replica: str
     total_ms: float
+    prompt_logprobs: list[tuple[int, TokenLogprob]] | None = None  # (token, its record) per prompt token scored
 
 
 # a chunk to the client: its text, its tokens, and their log-probabilities where asked (else None)
@@ -91,6 +95,7 @@ class Generation:
     request_id: str = ""  # the request's id (a retry of it goes on from what was committed)
     logprobs: bool = False  # each round's verification returns its tokens' log-probabilities
     top_logprobs: int = 0  # with this many alternatives each
+    prompt_scores: "PromptScores | None" = None  # the prompt's log-probabilities, where asked
     runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)
@@ -115,6 +120,41 @@ class Generation:
         """Whether the load governor may turn this generation's speculation off: adaptive
         γ only, and not a seeded sampled request (its policy is deterministic)."""
         return self.policy.fixed is None and not self.policy.deterministic
+
+
+@dataclass
+class PromptScores:
+    """A request's prompt tokens' log-probabilities, gathered from the target calls that feed
+    them (a prompt's chunks, then the first round's verification): the fed tokens' after the
+    first of each call come from the rows that predict them (VerifyRequest.fed_logprobs).
+    Positions [first, end) of the session: the prompt's, but a new session's first token,
+    which nothing predicts. A cache rebuilt on another replica feeds them again: the last
+    answer for a position stands."""
+    first: int
+    end: int
+    top: int
+    got: dict[int, TokenLogprob] = field(default_factory=dict)
+
+    def wants(self, start: int, fed: int) -> bool:
+        """Whether a call feeding `fed` tokens from position `start` scores any still missing."""
+        return len(self.got) < self.end - self.first and start + 1 < self.end and start + fed > self.first
+
+    def missing(self, position: int) -> bool:
+        return self.first <= position < self.end and position not in self.got
+
+    def note(self, start: int, resp: replica_pb2.VerifyResponse) -> None:
+        records = logprobs.records(resp.fed_logprobs, resp.fed_top_token_ids, resp.fed_top_logprobs, self.top)
+        for k, record in enumerate(records):
+            if self.first <= start + 1 + k < self.end:
+                self.got[start + 1 + k] = record
+
+    def result(self, committed: list[int], replica: str) -> list[tuple[int, TokenLogprob]]:
+        """(token, record) per prompt position; PreconditionFailed where a target replica
+        from before fed log-probabilities left some out."""
+        if len(self.got) < self.end - self.first:
+            raise PreconditionFailed(f"target replica {replica} returned no prompt log-probabilities (a version "
+                                     "from before them?); retry without prompt_logprobs, or once the pool is upgraded")
+        return [(committed[p], self.got[p]) for p in range(self.first, self.end)]
 
 
 @dataclass(frozen=True)

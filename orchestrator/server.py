@@ -60,6 +60,13 @@ def logprobs_pb(tokens: list[int], scores: list[TokenLogprob] | None) -> list[pb
             for token, score in zip(tokens, scores)]
 
 
+def prompt_logprobs_pb(out: Outcome) -> list[pb.TokenLogprob]:
+    if not out.prompt_logprobs:
+        return []
+    tokens, scores = zip(*out.prompt_logprobs)
+    return logprobs_pb(list(tokens), list(scores))
+
+
 def observe_latency(method: str, out: Outcome) -> None:
     """A successful request's latencies, as a platform team sets its objectives on them:
     the whole call, the first chunk of a stream, and the time per token after the first
@@ -157,7 +164,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         observe_latency("Generate", out)
         return pb.GenerateResponse(text="".join(text), token_ids=out.tokens, session_id=out.session_id,
                                    finish_reason=FINISH[out.finish_reason], stats=stats_pb(out),
-                                   logprobs=logprobs_pb(out.tokens, scores))
+                                   logprobs=logprobs_pb(out.tokens, scores), prompt_logprobs=prompt_logprobs_pb(out))
 
     async def GenerateStream(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
@@ -195,7 +202,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         metrics.REQUESTS.labels("GenerateStream", "OK").inc()
         observe_latency("GenerateStream", out)
         yield pb.GenerateStreamResponse(session_id=out.session_id, finish_reason=FINISH[out.finish_reason],
-                                        stats=stats_pb(out))
+                                        stats=stats_pb(out), prompt_logprobs=prompt_logprobs_pb(out))
 
     async def EndSession(self, request, context):
         try:

@@ -59,8 +59,11 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                                  f"the adaptive policy), got {gamma}")
     if not 0 <= pb.top_logprobs <= MAX_TOP:
         raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, got {pb.top_logprobs}")
-    if pb.top_logprobs and not pb.logprobs:
-        raise InvalidRequest("top_logprobs needs logprobs: set logprobs to true as well")
+    if pb.top_logprobs and not (pb.logprobs or pb.prompt_logprobs):
+        raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
+    if pb.prompt_logprobs and pb.request_id:
+        raise InvalidRequest("prompt_logprobs cannot be combined with request_id: a retry does not feed its prompt "
+                             "again, so its log-probabilities are not at hand; send the request without one of them")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
                             seed=seed)
@@ -68,7 +71,7 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
                              keep_session=pb.keep_session, seeded=pb.HasField("seed"),
                              request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
-                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs)
+                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs)
 
 
 def _fingerprint(pb) -> str:

@@ -29,6 +29,7 @@ class VerifyJob:
     params: sampling.SamplingParams
     logprobs: bool = False  # return the kept tokens' log-probabilities (specdec/logprobs.py)
     top_logprobs: int = 0  # and this many most likely tokens at each of their positions
+    fed_logprobs: bool = False  # and those of ref.tokens[1:] (a prompt's), from the rows that predict them
 
     @property
     def forward_size(self) -> int:
@@ -53,6 +54,10 @@ class Verdict:
     logprobs: list[float] | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    # with VerifyJob.fed_logprobs, the same for the fed tokens after the first
+    fed_logprobs: list[float] | None = None
+    fed_top_ids: list[int] | None = None
+    fed_top_logprobs: list[float] | None = None
 
 
 class TargetEngine:
@@ -81,8 +86,8 @@ class TargetEngine:
         vocab = self.runner.vocab_size
         if any(t < 0 or t >= vocab for t in job.draft_tokens):
             raise InvalidRequest(f"draft token ids must lie in 0..{vocab - 1}")
-        if not 0 <= job.top_logprobs <= lp.MAX_TOP or job.top_logprobs and not job.logprobs:
-            raise InvalidRequest(f"top_logprobs must lie in 0..{lp.MAX_TOP}, and needs logprobs")
+        if not 0 <= job.top_logprobs <= lp.MAX_TOP or job.top_logprobs and not (job.logprobs or job.fed_logprobs):
+            raise InvalidRequest(f"top_logprobs must lie in 0..{lp.MAX_TOP}, and needs logprobs or fed_logprobs")
         self.sessions.validate(job.ref, extra=gamma)
 
     def verify(self, jobs: list[VerifyJob]) -> list[Verdict | SpecDecError]:
@@ -101,21 +106,44 @@ class TargetEngine:
                 results[i] = exc
                 continue
             tokens = torch.tensor(job.ref.tokens + job.draft_tokens, dtype=torch.long)
-            items.append(ForwardItem(cache, tokens, len(job.draft_tokens) + 1))
+            items.append(ForwardItem(cache, tokens, len(tokens) if job.fed_logprobs else len(job.draft_tokens) + 1))
             live.append(i)
         if live:
             logits = self.runner.forward_packed(items)  # [Σ (γ + 1), V]
             self.forward_passes += 1
             rows = sum(len(it.tokens) for it in items)
             self.fed_tokens += rows
+            logits, fed = self._split_fed_rows([jobs[i] for i in live], items, logits)
             verdicts = self._decide([jobs[i] for i in live], logits)
             scores = self._logprobs([jobs[i] for i in live], logits, verdicts)
             ms = (time.perf_counter() - t0) * 1000
-            for i, item, (n, token, chances), score in zip(live, items, verdicts, scores):
+            for i, item, (n, token, chances), score, fed_score in zip(live, items, verdicts, scores, fed):
                 committed = jobs[i].ref.start + len(jobs[i].ref.tokens)
                 item.cache.truncate(committed + n)  # keep the accepted prefix; next_token is pending
-                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows, chances, *score)
+                results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows, chances, *score,
+                                     *fed_score)
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _split_fed_rows(jobs: list[VerifyJob], items: list[ForwardItem],
+                        logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+        """Where jobs asked for their fed tokens' log-probabilities (their forward computed
+        every row): → (each job's last γ + 1 rows, which the verdicts read, packed as usual;
+        per job (log-probabilities, top ids, top log-probabilities) of ref.tokens[1:], from the
+        rows before them, or (None, None, None))."""
+        out: list[tuple] = [(None, None, None)] * len(jobs)
+        if not any(j.fed_logprobs for j in jobs):
+            return logits, out
+        keep, at = [], 0
+        for b, (job, item) in enumerate(zip(jobs, items)):
+            gamma, fed = len(job.draft_tokens), len(job.ref.tokens)
+            if job.fed_logprobs:
+                rows = logits[at:at + fed - 1]
+                chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:]), job.top_logprobs)
+                out[b] = chosen.tolist(), ids.flatten().tolist(), values.flatten().tolist()
+            at += item.logits_rows
+            keep.extend(range(at - gamma - 1, at))
+        return logits[torch.tensor(keep, device=logits.device)], out
 
     @staticmethod
     def _logprobs(jobs: list[VerifyJob], logits: torch.Tensor, verdicts: list[tuple]) -> list[tuple]:

@@ -38,7 +38,9 @@ def verdict_to_pb(verdict: Verdict) -> replica_pb2.VerifyResponse:
         accepted=verdict.accepted, next_token=verdict.next_token, cache_length=verdict.cache_length,
         compute_ms=verdict.compute_ms, batch_size=verdict.batch_size, resynced=verdict.resynced,
         batch_tokens=verdict.batch_tokens, keep_chances=verdict.keep_chances or (),
-        logprobs=verdict.logprobs or (), top_token_ids=verdict.top_ids or (), top_logprobs=verdict.top_logprobs or ())
+        logprobs=verdict.logprobs or (), top_token_ids=verdict.top_ids or (), top_logprobs=verdict.top_logprobs or (),
+        fed_logprobs=verdict.fed_logprobs or (), fed_top_token_ids=verdict.fed_top_ids or (),
+        fed_top_logprobs=verdict.fed_top_logprobs or ())
 
 
 class TargetServicer(replica_pb2_grpc.TargetServicer):
@@ -51,7 +53,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         params = params_from_pb(request.sampling)
         q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size, params.greedy)
         job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q, params, request.logprobs,
-                        request.top_logprobs)
+                        request.top_logprobs, request.fed_logprobs)
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result

@@ -32,7 +32,7 @@ def any_request(draw) -> pb.GenerateRequest:
     r = pb.GenerateRequest(max_new_tokens=draw(small_or_any(-2, MAX_NEW_TOKENS + 2)), top_k=draw(small_or_any(-2, 50)),
                            session_id=draw(session_ids), keep_session=draw(st.booleans()),
                            request_id=draw(request_ids), logprobs=draw(st.booleans()),
-                           top_logprobs=draw(small_or_any(-2, 25)))
+                           top_logprobs=draw(small_or_any(-2, 25)), prompt_logprobs=draw(st.booleans()))
     if draw(st.booleans()):
         r.prompt = draw(st.text(max_size=200))
     if draw(st.booleans()):
@@ -61,6 +61,7 @@ def valid_request(draw) -> pb.GenerateRequest:
         r.num_speculative_tokens = draw(st.integers(0, MAX_GAMMA))
     if draw(st.booleans()):
         r.logprobs, r.top_logprobs = True, draw(st.integers(0, 20))
+    r.prompt_logprobs = draw(st.booleans())
     r.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     return r
 
@@ -126,6 +127,7 @@ def check_one(state, case) -> None:
         if method == "Generate" and kind == "valid":  # one log-probability per token where asked, else none
             assert len(last.logprobs) == (len(last.token_ids) if payload.logprobs else 0)
             assert all(len(item.top) == payload.top_logprobs for item in last.logprobs)
+            assert len(last.prompt_logprobs) == (last.stats.prompt_tokens - 1 if payload.prompt_logprobs else 0)
         if wants_kept(payload):
             state["kept"].add(last.session_id)
     state["calls"][code.name] = state["calls"].get(code.name, 0) + 1

@@ -86,7 +86,8 @@ def test_a_kept_session_s_logprobs_condition_on_its_history(local_stack, target_
 
 @pytest.mark.parametrize("fields, says", [
     (dict(logprobs=True, top_logprobs=21), "top_logprobs must lie in 0..20"),
-    (dict(top_logprobs=3), "top_logprobs needs logprobs"),
+    (dict(top_logprobs=3), "top_logprobs needs logprobs or prompt_logprobs"),
+    (dict(prompt_logprobs=True, request_id="r-1"), "prompt_logprobs cannot be combined with request_id"),
 ])
 def test_bad_logprob_fields_are_refused_clearly(local_stack, fields, says):
     stub = api(local_stack.orchestrator_address)
@@ -124,3 +125,55 @@ def test_a_retried_request_sends_the_logprobs_its_cut_attempt_committed_again(lo
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(req, timeout=120)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no longer kept" in err.value.details()
+
+
+def check_prompt(model, history: list[int], appended: list[int], got, top: int = 0, atol: float = 2e-3) -> None:
+    """The prompt's log-probabilities: one per appended token but a new session's first."""
+    first = 1 if not history else 0
+    tokens = history + appended
+    assert [item.token_id for item in got] == appended[first:]
+    rows = target_logprobs(model, tokens, len(history) + first)
+    want = rows[torch.arange(len(got)), torch.tensor(appended[first:])]
+    assert torch.allclose(torch.tensor([item.logprob for item in got]), want, atol=atol), \
+        (torch.tensor([item.logprob for item in got]) - want).abs().max()
+    for item, row in zip(got, rows):
+        assert len(item.top) == top
+        if top:
+            assert item.top[0].token_id == int(row.argmax())
+
+
+def test_prompt_logprobs_are_the_target_s_for_every_prompt_token_unary_and_streamed(local_stack, target_model,
+                                                                                   tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    prompt = "def parse(line):\n    fields = line.split(',')\n"
+    ids = tokenizer(prompt)["input_ids"]
+    plain = stub.Generate(request(prompt, 24), timeout=120)
+    asked = stub.Generate(request(prompt, 24, prompt_logprobs=True, top_logprobs=3), timeout=120)
+    assert list(asked.token_ids) == list(plain.token_ids) and not asked.logprobs and not plain.prompt_logprobs
+    check_prompt(target_model, [], ids, asked.prompt_logprobs, top=3)
+    chunks = list(stub.GenerateStream(request(prompt, 24, prompt_logprobs=True, logprobs=True), timeout=120))
+    assert all(not c.prompt_logprobs for c in chunks[:-1])
+    check_prompt(target_model, [], ids, chunks[-1].prompt_logprobs)
+    check_against_the_target(target_model, ids, [t for c in chunks for t in c.token_ids],
+                             [x for c in chunks for x in c.logprobs], 0)
+
+
+def test_a_long_prompt_fed_in_chunks_is_scored_across_their_boundaries(local_stack, target_model, tokenizer):
+    """A prompt of about 700 tokens reaches the target as calls of 256 tokens: the token
+    that begins each call is scored too (its call feeds from the token before)."""
+    stub = api(local_stack.orchestrator_address)
+    ids = tokenizer("import os\n" + "".join(f"value_{i} = compute({i}, {i * 7 % 13})\n" for i in range(60)))["input_ids"]
+    assert len(ids) > 600
+    asked = stub.Generate(request("", 8, prompt_token_ids=ids, prompt_logprobs=True), timeout=120)
+    check_prompt(target_model, [], ids, asked.prompt_logprobs, atol=5e-3)
+
+
+def test_a_kept_session_s_next_prompt_is_scored_from_its_history(local_stack, target_model, tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    first = stub.Generate(request("class Stack:\n", 16, keep_session=True), timeout=120)
+    turn = tokenizer("\n    def pop(self):")["input_ids"]
+    second = stub.Generate(request("", 8, prompt_token_ids=turn, session_id=first.session_id, prompt_logprobs=True,
+                                   top_logprobs=1), timeout=120)
+    stub.EndSession(pb.EndSessionRequest(session_id=first.session_id))
+    history = tokenizer("class Stack:\n")["input_ids"] + list(first.token_ids)
+    check_prompt(target_model, history, turn, second.prompt_logprobs, top=1)

@@ -185,3 +185,35 @@ def test_logprobs_are_the_target_forwards_for_the_kept_tokens_only_where_asked(t
             assert torch.allclose(torch.tensor(verdict.top_logprobs).view(-1, top), values, atol=1e-4)
     refused = engine.verify([VerifyJob(CacheRef("x", 1, 0, [5]), [], None, SamplingParams(0.0), True, 21)])[0]
     assert isinstance(refused, InvalidRequest) and "top_logprobs" in str(refused)
+
+
+def test_fed_tokens_logprobs_come_from_every_row_and_leave_the_verdicts_as_they_were(target_model):
+    """Sessions asking for their fed tokens' log-probabilities (a prompt's) get those of a
+    plain forward over them, after the first; every session's verdict is the one a batch
+    asking for none gives."""
+    V = ModelRunner(target_model).vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (9 + 3 * b,), generator=g).tolist() for b in range(3)]
+    drafts = [torch.randint(0, V, (gamma,), generator=g).tolist() for gamma in (3, 0, 2)]
+    laws = [SamplingParams(0.0), SamplingParams(1.0, seed=2), SamplingParams(1.0, seed=4)]
+    qs = [torch.softmax(torch.randn(len(d), V, generator=g, dtype=torch.float64), -1) for d in drafts]
+
+    def jobs(fed: list[bool]) -> list[VerifyJob]:
+        return [VerifyJob(CacheRef(f"s{b}", 1, 0, prompts[b]), drafts[b], None if laws[b].greedy else qs[b],
+                          laws[b], False, 2 if fed[b] else 0, fed[b]) for b in range(3)]
+
+    asked = TargetEngine(ModelRunner(target_model)).verify(jobs([True, False, True]))
+    plain = TargetEngine(ModelRunner(target_model)).verify(jobs([False, False, False]))
+    for b, (a, p) in enumerate(zip(asked, plain)):
+        assert (a.accepted, a.next_token, a.cache_length) == (p.accepted, p.next_token, p.cache_length)
+        if b == 1:
+            assert a.fed_logprobs is None
+            continue
+        with torch.no_grad():
+            ref = torch.log_softmax(target_model(input_ids=torch.tensor([prompts[b]])).logits[0].float(), -1)[:-1]
+        tokens = torch.tensor(prompts[b][1:])
+        assert len(a.fed_logprobs) == len(prompts[b]) - 1
+        assert torch.allclose(torch.tensor(a.fed_logprobs), ref[torch.arange(len(tokens)), tokens], atol=1e-4)
+        values, ids = ref.topk(2, dim=-1)
+        assert torch.tensor(a.fed_top_ids).view(-1, 2)[:, 0].tolist() == ids[:, 0].tolist()
+        assert torch.allclose(torch.tensor(a.fed_top_logprobs).view(-1, 2), values, atol=1e-4)
