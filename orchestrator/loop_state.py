@@ -137,7 +137,8 @@ class PromptScores:
 
     def wants(self, start: int, fed: int) -> bool:
         """Whether a call feeding `fed` tokens from position `start` scores any still missing."""
-        return len(self.got) < self.end - self.first and start + 1 < self.end and start + fed > self.first
+        return (fed > 1 and len(self.got) < self.end - self.first and start + 1 < self.end
+                and start + fed > self.first)
 
     def missing(self, position: int) -> bool:
         return self.first <= position < self.end and position not in self.got

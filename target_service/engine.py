@@ -139,7 +139,8 @@ class TargetEngine:
             gamma, fed = len(job.draft_tokens), len(job.ref.tokens)
             if job.fed_logprobs:
                 rows = logits[at:at + fed - 1]
-                chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:]), job.top_logprobs)
+                chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:], dtype=torch.long),
+                                                        job.top_logprobs)
                 out[b] = chosen.tolist(), ids.flatten().tolist(), values.flatten().tolist()
             at += item.logits_rows
             keep.extend(range(at - gamma - 1, at))

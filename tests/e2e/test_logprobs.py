@@ -125,6 +125,8 @@ def test_a_retried_request_sends_the_logprobs_its_cut_attempt_committed_again(lo
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(req, timeout=120)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no longer kept" in err.value.details()
+    stub.EndSession(pb.EndSessionRequest(session_id=session_for(req.request_id)), timeout=30)
+    assert not store.keys(f"specdec:session:{session_for(req.request_id)}*")
 
 
 def check_prompt(model, history: list[int], appended: list[int], got, top: int = 0, atol: float = 2e-3) -> None:
