@@ -168,12 +168,14 @@ class Front:
             self.channels[address] = grpc.aio.insecure_channel(address)
         return address, pb_grpc.OrchestratorStub(self.channels[address])
 
-    def redirect(self, address: str, exc: grpc.aio.AioRpcError, attempt: int) -> bool:
+    def redirect(self, address: str, exc: grpc.aio.AioRpcError, attempt: int, fresh: bool = False) -> bool:
         """Whether a call that failed so, before any answer, goes to another orchestrator
-        (counted), which it does at most REDIRECTS times."""
+        (counted), which it does at most REDIRECTS times: refused by one shutting down, or
+        finding it gone; or, `fresh` (a new session and no request id: nothing to continue),
+        cut by its death, whose session another orchestrator releases (orchestrator/reaper.py)."""
         details = exc.details() or ""
         if attempt >= REDIRECTS or exc.code() != grpc.StatusCode.UNAVAILABLE or not (
-                "shutting down" in details or "failed to connect" in details or address in self.drained):
+                "shutting down" in details or "failed to connect" in details or address in self.drained or fresh):
             return False
         self.redirected += 1
         return True
@@ -272,7 +274,7 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
             raise
         except grpc.aio.AioRpcError as exc:
             seen = max(seen, tokens, key=len)
-            if last is None and front.redirect(address, exc, attempt):
+            if last is None and front.redirect(address, exc, attempt, fresh=not (req.request_id or req.session_id)):
                 attempt += 1
                 continue
             if front.resume(address, exc, req, t0):

@@ -121,7 +121,8 @@ class Generator:
                 if named:  # its lock, taken by `acquire`
                     await self.store.unlock(named, owner)
                 raise
-            handle = SessionHandle(named or self.store.new_id(), draft, target, 1, [], owner=owner)
+            handle = SessionHandle(named or self.store.new_id(), draft, target, 1, [], owner=owner,
+                                   ephemeral=not named and not req.keep_session)
             if not named:
                 await self.store.try_lock(handle.session_id, owner)
         try:

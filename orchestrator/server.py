@@ -17,6 +17,7 @@ from orchestrator.generation import (DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK,
                                     STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome)
 from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
+from orchestrator.reaper import INTERVAL_S as REAP_INTERVAL_S, Reaper
 from orchestrator.round_stream import CALL_MODES
 from orchestrator.validation import SESSION_ID, validate
 from specdec import event_loop, metrics
@@ -297,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
                          f"in Redis (default {RETRY_WINDOW_S}): a retry with the same id within it gets the same "
                          f"answer; a cut answer stays for --session-ttl for its retry to continue "
                          f"[SPECDEC_RETRY_WINDOW]")
+    ap.add_argument("--reap-interval", type=float, default=float(env("REAP_INTERVAL", REAP_INTERVAL_S)),
+                    help=f"seconds between checks for sessions an orchestrator that died left running (default "
+                         f"{REAP_INTERVAL_S:g}; 0 = none): once the dead call's --session-lease has run out, their "
+                         f"caches and handles are released, not left for --session-ttl [SPECDEC_REAP_INTERVAL]")
     ap.add_argument("--draft-pool", default=env("DRAFT_POOL", "draft"), help="[SPECDEC_DRAFT_POOL]")
     ap.add_argument("--target-pool", default=env("TARGET_POOL", "target"), help="[SPECDEC_TARGET_POOL]")
     ap.add_argument("--api-token-file", default=env("API_TOKEN_FILE"),
@@ -386,7 +391,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.export_target_forward_ms(costs.forward.table)
     governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)
     metrics.export_governor(governor.table)
-    store = SessionStore(redis, args.session_ttl, lease_seconds=args.session_lease)
+    orchestrator_id = Reaper.new_id()
+    store = SessionStore(redis, args.session_ttl, lease_seconds=args.session_lease, orchestrator_id=orchestrator_id)
     generator = Generator(pools, store, tokenizer, context, costs,
                           overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
                           overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
@@ -400,11 +406,13 @@ async def serve(args: argparse.Namespace) -> None:
     port = shell.listen(args.host, args.port, creds)
     metrics.serve_metrics(args.metrics_port)
     log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
+    reaper = Reaper(generator, redis, orchestrator_id, args.reap_interval)
+    reaper.start()
     await shell.server.start()
     await shell.set_serving(True)
     shell.install_signal_handlers()
-    log.info("orchestrator serving on %s:%d (tls=%s, auth=%s, event loop %s)", args.host, port, bool(creds), bool(token),
-             event_loop.running())
+    log.info("orchestrator %s serving on %s:%d (tls=%s, auth=%s, event loop %s)", orchestrator_id, args.host, port,
+             bool(creds), bool(token), event_loop.running())
     await shell.stopping.wait()
     log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
     end_watch = watch_stop(args.drain_seconds)
@@ -420,6 +428,7 @@ async def serve(args: argparse.Namespace) -> None:
     if releasing:
         log.warning("%d generation(s) cut short by the drain still releasing their sessions after %.0fs; "
                     "their handles expire by TTL", releasing, WIND_DOWN_S)
+    await reaper.stop()
     await pools.close()
     await redis.aclose()
     end_watch()
@@ -441,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--draft-wait-ms must be a finite number of milliseconds, 0 or more, got {args.draft_wait_ms}")
     if not 0 < args.session_lease < math.inf:
         ap.error(f"--session-lease must be a finite number of seconds above 0, got {args.session_lease}")
+    if not 0 <= args.reap_interval < math.inf:
+        ap.error(f"--reap-interval must be a finite number of seconds, 0 (off) or more, got {args.reap_interval}")
     if args.retry_window < 1:
         ap.error(f"--retry-window must be at least 1 second, got {args.retry_window}")
     if args.session_ttl < 1:

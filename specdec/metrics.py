@@ -87,6 +87,9 @@ REQUESTS_RESUMED = Counter("specdec_requests_resumed_total",
                            "Calls that carried the request_id of an earlier call: continued where its attempts "
                            "stopped (continued), or answered with what they committed, already whole (answered)",
                            ["how"])
+SESSIONS_REAPED = Counter("specdec_sessions_reaped_total",
+                          "Sessions of a call whose orchestrator died (its heartbeat gone), released by another "
+                          "orchestrator: caches on both replicas and the handle (orchestrator/reaper.py)")
 HANDLES_REWRITTEN = Counter("specdec_session_handles_rewritten_total",
                             "Session handles gone from Redis at a round's commit (Redis lost writes) and "
                             "written again whole by the call holding the session")

@@ -31,6 +31,9 @@ from specdec.retry import RetryWindow
 from specdec.rounds import Cursor
 
 PREFIX = "specdec:session:"
+# the sessions no later call can name (no session_id kept, no request id), each with the
+# orchestrator running it: what orchestrator/reaper.py releases once that one has died
+EPHEMERAL = "specdec:ephemeral"
 LEASE_SECONDS = 30.0  # how long a call holds its session without a round's commit
 
 # A round's commit: what a MULTI/EXEC of SETRANGE, HSET and two EXPIREs did, as one
@@ -86,6 +89,9 @@ class SessionHandle:
     # a seeded request's γ policy after its last committed round, as the orchestrator
     # snapshots it for a retry to go on from (empty: none); written by every round's commit
     policy: str = ""
+    # no later call can name it (not kept, no request id): listed under EPHEMERAL with the
+    # orchestrator running it while it lives (not stored in the handle)
+    ephemeral: bool = False
 
     @property
     def length(self) -> int:
@@ -133,8 +139,9 @@ class RoundCommit:
 
 class SessionStore:
     def __init__(self, client: aioredis.Redis, ttl_seconds: int = 600, commit_retry_seconds: float = 5.0,
-                 lease_seconds: float = LEASE_SECONDS) -> None:
+                 lease_seconds: float = LEASE_SECONDS, orchestrator_id: str = "") -> None:
         self.redis = client
+        self.orchestrator_id = orchestrator_id  # whose ephemeral sessions this store's writes list
         self.ttl = ttl_seconds
         self.lease_ms = max(1, round(lease_seconds * 1000))
         self.commit_retry_seconds = commit_retry_seconds  # rides out a Redis restart mid-stream
@@ -173,6 +180,8 @@ class SessionStore:
                     pipe.expire(self.scores_key(handle.session_id, start), ttl)
                 if handle.owner:
                     pipe.set(self._lock_key(handle.session_id), handle.owner, px=self.lease_ms)
+                if handle.ephemeral and self.orchestrator_id:
+                    pipe.hset(EPHEMERAL, handle.session_id, self.orchestrator_id)
                 await pipe.execute()
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
@@ -260,7 +269,11 @@ class SessionStore:
         """Delete the handle, its lock, and the log-probabilities stored for its requests."""
         scores = [self.scores_key(session_id, start) for start in answer_starts]
         try:
-            return bool(await self.redis.delete(*self._keys(session_id), self._lock_key(session_id), *scores))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)
+                pipe.hdel(EPHEMERAL, session_id)
+                deleted, _ = await pipe.execute()
+            return bool(deleted)
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
@@ -307,6 +320,20 @@ class SessionStore:
             await self._retrying(self._unlock_script, [self._lock_key(session_id)], [owner])
         except Unavailable:
             pass
+
+    async def ephemeral_sessions(self) -> dict[str, str]:
+        """Every listed ephemeral session → the orchestrator running it."""
+        try:
+            listed = await self.redis.hgetall(EPHEMERAL)
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        return {k.decode(): v.decode() for k, v in listed.items()}
+
+    async def forget_ephemeral(self, session_id: str) -> None:
+        try:
+            await self.redis.hdel(EPHEMERAL, session_id)
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
     async def session_ids(self) -> list[str]:
         ids = []

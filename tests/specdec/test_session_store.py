@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from specdec.errors import SessionBusy, SessionNotFound
 from specdec.rounds import Cursor
-from specdec.session_store import PREFIX, AnswerScores, SessionHandle, SessionStore
+from specdec.session_store import EPHEMERAL, PREFIX, AnswerScores, SessionHandle, SessionStore
 
 
 def _handle() -> SessionHandle:
@@ -98,6 +98,26 @@ def test_a_request_s_log_probabilities_commit_with_its_tokens_and_live_and_go_wi
         assert 0 < await client.ttl(key) <= 7
         assert await store.delete("s1", handle.answer_starts)
         assert not await client.exists(key)
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_ephemeral_sessions_are_listed_with_their_orchestrator_while_they_live(redis_server):
+    async def go():
+        client = aioredis.from_url(redis_server.url)
+        store = SessionStore(client, ttl_seconds=30, orchestrator_id="orch-a")
+        handle = _handle()
+        handle.ephemeral = True
+        await store.create(handle)
+        kept = SessionHandle("kept", "d", "t", 1, [1, 2])
+        await store.create(kept)
+        assert await store.ephemeral_sessions() == {"s1": "orch-a"}
+        await store.delete("s1")
+        assert await store.ephemeral_sessions() == {} and not await client.exists(EPHEMERAL)
+        await store.create(handle)
+        await store.forget_ephemeral("s1")
+        assert await store.ephemeral_sessions() == {}
         await client.aclose()
 
     asyncio.run(go())

@@ -1,0 +1,50 @@
+"""Sessions an orchestrator that died left running are released by the others
+(orchestrator/reaper.py): their handles and both replicas' caches, once the dead call's
+lease has run out, while kept sessions stay and a live orchestrator's calls go on."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from specdec.session_store import EPHEMERAL
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.e2e.helpers import Streams, api, killed_mid_stream, load_report, redis_client, request, session_handles
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
+    replicas = [r for r in local_stack.replicas if r.proc.poll() is None]
+    held_before = {r.address: load_report(r.address, r.kind).sessions for r in replicas}
+    handles_before = set(session_handles(local_stack))
+    doomed = local_stack.start_orchestrator(extra=["--session-lease", "2"])
+    live = Streams(api(local_stack.orchestrator_address), [request("def walk(path):\n", 400, 0.0)])
+    cut = Streams(api(doomed.address), [request("def main(", 1024, 0.0), request("class A:\n", 1024, 0.0),
+                                        request("import os\n", 1024, 0.0, keep_session=True)])
+    cut.wait_first_chunks()
+    live.wait_first_chunks()
+    listed = {k.decode(): v.decode() for k, v in redis_client(local_stack).hgetall(EPHEMERAL).items()}
+    # each new session no call can name is listed with its orchestrator: two of the one to die,
+    # one of the live one (the kept session is not listed)
+    assert sorted(Counter(listed.values()).values()) == [1, 2], listed
+    killed_mid_stream(local_stack, doomed, cut)
+    deadline = time.monotonic() + 30
+    while True:
+        handles = {sid for sid in session_handles(local_stack) if sid not in handles_before}
+        held = {r.address: load_report(r.address, r.kind).sessions for r in replicas}
+        if len(handles) == 1 and held == {a: n + 1 for a, n in held_before.items()} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    # the two sessions no call can name again are gone; the kept one stays, to be continued
+    assert len(handles) == 1, handles
+    assert held == {a: n + 1 for a, n in held_before.items()}, (held, held_before)
+    assert not redis_client(local_stack).hgetall(EPHEMERAL)
+    (tokens, last), = live.join()  # a live orchestrator's call is never taken, however long
+    assert len(tokens) == 400 and last.finish_reason == pb.FINISH_REASON_LENGTH
+    kept = handles.pop()
+    stub = api(local_stack.orchestrator_address)
+    more = stub.Generate(request("\n", 4, 0.0, session_id=kept), timeout=60)
+    assert len(more.token_ids) == 4
+    stub.EndSession(pb.EndSessionRequest(session_id=kept), timeout=30)
