@@ -30,6 +30,7 @@ def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
     # one of the live one (the kept session is not listed)
     assert sorted(Counter(listed.values()).values()) == [1, 2], listed
     killed_mid_stream(local_stack, doomed, cut)
+    killed = time.monotonic()
     deadline = time.monotonic() + 30
     while True:
         handles = {sid for sid in session_handles(local_stack) if sid not in handles_before}
@@ -37,6 +38,7 @@ def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
         if len(handles) == 1 and held == {a: n + 1 for a, n in held_before.items()} or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    print(f"released {time.monotonic() - killed:.1f} s after the kill")
     # the two sessions no call can name again are gone; the kept one stays, to be continued
     assert len(handles) == 1, handles
     assert held == {a: n + 1 for a, n in held_before.items()}, (held, held_before)
