@@ -608,6 +608,11 @@ class Generator:
                 await links.close()
         keep = req.keep_session or bool(req.session_id)
         if keep or req.request_id and not whole:  # a request id's cut answer: kept, caches and all, for its retry
+            if not keep:  # its caches for the retry window, its handle longer (orchestrator/reaper.py)
+                try:
+                    await self.store.park(handle.session_id, self.retry_window)
+                except Unavailable:
+                    pass  # the caches go at the replicas' idle expiry
             await self.store.unlock(handle.session_id, owner)
             return
         await self.release(handle, draft_in_background=draft_late, keep_handle=bool(req.request_id))
@@ -628,10 +633,11 @@ class Generator:
         return sum(not end.done() for end in ends)
 
     async def release(self, handle: SessionHandle, draft_in_background: bool = False,
-                      keep_handle: bool = False) -> None:
+                      keep_handle: bool = False, handle_ttl: int | None = None) -> None:
         """Release the session's caches on both replicas and delete its handle; or, with
-        `keep_handle` (a request id's answer, whole), keep the handle for `retry_window`
-        seconds with no replica, so that a retry whose answer got lost is answered from it."""
+        `keep_handle`, keep the handle with no replica, for `handle_ttl` seconds (default
+        `retry_window`: a request id's whole answer, for a retry whose answer got lost; a cut
+        one's for the session's TTL, and its retry builds the caches again)."""
         async def release_on(kind: str, address: str) -> None:
             if not address:
                 return
@@ -652,7 +658,7 @@ class Generator:
         try:
             if keep_handle:  # a copy: the call's stats still name the replicas it ran on
                 kept = replace(handle, draft_replica="", target_replica="", cursor=rounds.Cursor())
-                await self.store.save(kept, ttl=self.retry_window)
+                await self.store.save(kept, ttl=self.retry_window if handle_ttl is None else handle_ttl)
                 await self.store.unlock(handle.session_id, handle.owner)
             else:
                 await self.store.delete(handle.session_id, handle.answer_starts)

@@ -1,4 +1,5 @@
-"""Sessions left behind by an orchestrator that died, released by the others.
+"""Sessions whose caches nobody would release soon: those an orchestrator that died left
+running, and those of cut answers kept for a retry that has not come.
 
 A session that no later call can name (not kept, no request id) is released by the call
 that runs it, at its end. If that call's orchestrator dies (a crash, an OOM kill, a node
@@ -12,6 +13,14 @@ call's end would have. The session's lease decides who does it, and when: a sess
 taken only once the dead call's lease has run out (`--session-lease`), and only by one
 orchestrator. A live orchestrator's sessions are never taken, however long one of its
 rounds lasts (tests/e2e/test_reaper.py).
+
+A request with an id whose answer was cut (a cancelled stream, a deadline) keeps its session
+for the retry to continue (orchestrator/request_ids.py). Its caches stayed on both replicas
+until their idle expiry (`--session-idle-seconds`, 600 s) whether or not a retry came; now
+the call lists it (`session_store.PARKED`) with the end of its retry window
+(`--retry-window`), and once that has passed with no retry running, the caches are released
+and the handle kept without replicas: a later retry still continues the answer, from caches
+built again.
 """
 from __future__ import annotations
 
@@ -76,16 +85,18 @@ class Reaper:
 
     async def reap_once(self) -> int:
         """Release the listed sessions of dead orchestrators whose lease has run out → how many."""
+        reaped = 0
+        for session_id in await self.store.parked_due(MAX_PER_PASS):
+            reaped += await self._unpark(session_id)
         listed = await self.store.ephemeral_sessions()
         owners = sorted(set(listed.values()) - {self.id})
         if not owners:
-            return 0
+            return reaped
         async with self.redis.pipeline(transaction=False) as pipe:
             for owner in owners:
                 pipe.exists(ALIVE_PREFIX + owner)
             alive = dict(zip(owners, await pipe.execute()))
         dead = [sid for sid, owner in listed.items() if owner != self.id and not alive[owner]]
-        reaped = 0
         for session_id in dead[:MAX_PER_PASS]:
             reaped += await self._reap(session_id, listed[session_id])
         return reaped
@@ -102,7 +113,28 @@ class Reaper:
             return False
         handle.owner = owner
         await self.generator.release(handle)
-        metrics.SESSIONS_REAPED.inc()
+        metrics.SESSIONS_REAPED.labels("orchestrator_died").inc()
         log.info("released session %s of orchestrator %s, which stopped without releasing it", session_id,
                  orchestrator)
+        return True
+
+    async def _unpark(self, session_id: str) -> bool:
+        """Release a parked session's caches, keeping its handle for a later retry; a retry
+        running now is left alone (cut again, it parks the session anew)."""
+        owner = "reaper-" + uuid.uuid4().hex
+        if not await self.store.try_lock(session_id, owner):
+            return False
+        try:
+            handle = await self.store.load(session_id)
+        except SessionNotFound:
+            await self.store.unpark(session_id)
+            await self.store.unlock(session_id, owner)
+            return False
+        await self.store.unpark(session_id)
+        if not (handle.draft_replica or handle.target_replica):  # answered whole since, or released
+            await self.store.unlock(session_id, owner)
+            return False
+        handle.owner = owner
+        await self.generator.release(handle, keep_handle=True, handle_ttl=self.store.ttl)
+        metrics.SESSIONS_REAPED.labels("retry_window").inc()
         return True

@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--retry-window", type=int, default=int(env("RETRY_WINDOW", RETRY_WINDOW_S)),
                     help=f"seconds a whole answer to a request with a request_id, on a session not kept, stays "
                          f"in Redis (default {RETRY_WINDOW_S}): a retry with the same id within it gets the same "
-                         f"answer; a cut answer stays for --session-ttl for its retry to continue "
-                         f"[SPECDEC_RETRY_WINDOW]")
+                         f"answer; a cut answer keeps its caches this long for its retry to continue, then "
+                         f"its handle only, for --session-ttl [SPECDEC_RETRY_WINDOW]")
     ap.add_argument("--reap-interval", type=float, default=float(env("REAP_INTERVAL", REAP_INTERVAL_S)),
                     help=f"seconds between checks for sessions an orchestrator that died left running (default "
                          f"{REAP_INTERVAL_S:g}; 0 = none): once the dead call's --session-lease has run out, their "

@@ -88,8 +88,9 @@ REQUESTS_RESUMED = Counter("specdec_requests_resumed_total",
                            "stopped (continued), or answered with what they committed, already whole (answered)",
                            ["how"])
 SESSIONS_REAPED = Counter("specdec_sessions_reaped_total",
-                          "Sessions of a call whose orchestrator died (its heartbeat gone), released by another "
-                          "orchestrator: caches on both replicas and the handle (orchestrator/reaper.py)")
+                          "Sessions released in the background (orchestrator/reaper.py): a call's whose "
+                          "orchestrator died, caches and handle (orchestrator_died); a cut answer's kept for a "
+                          "retry that did not come within --retry-window, caches only (retry_window)", ["reason"])
 HANDLES_REWRITTEN = Counter("specdec_session_handles_rewritten_total",
                             "Session handles gone from Redis at a round's commit (Redis lost writes) and "
                             "written again whole by the call holding the session")

@@ -17,6 +17,7 @@ lost by Redis): it says so and the call writes the whole handle again.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ PREFIX = "specdec:session:"
 # the sessions no later call can name (no session_id kept, no request id), each with the
 # orchestrator running it: what orchestrator/reaper.py releases once that one has died
 EPHEMERAL = "specdec:ephemeral"
+# the sessions of cut answers to requests with ids, not kept: each with when its retry window
+# ends, after which orchestrator/reaper.py releases its caches (its handle stays for a retry)
+PARKED = "specdec:parked"
 LEASE_SECONDS = 30.0  # how long a call holds its session without a round's commit
 
 # A round's commit: what a MULTI/EXEC of SETRANGE, HSET and two EXPIREs did, as one
@@ -272,7 +276,8 @@ class SessionStore:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)
                 pipe.hdel(EPHEMERAL, session_id)
-                deleted, _ = await pipe.execute()
+                pipe.zrem(PARKED, session_id)
+                deleted, _, _ = await pipe.execute()
             return bool(deleted)
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
@@ -332,6 +337,27 @@ class SessionStore:
     async def forget_ephemeral(self, session_id: str) -> None:
         try:
             await self.redis.hdel(EPHEMERAL, session_id)
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def park(self, session_id: str, seconds: float) -> None:
+        """List a cut answer's session, to have its caches released `seconds` from now."""
+        try:
+            await self.redis.zadd(PARKED, {session_id: time.time() + seconds})
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def parked_due(self, limit: int) -> list[str]:
+        """Parked sessions whose time has come, the longest due first."""
+        try:
+            due = await self.redis.zrangebyscore(PARKED, "-inf", time.time(), start=0, num=limit)
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        return [sid.decode() for sid in due]
+
+    async def unpark(self, session_id: str) -> None:
+        try:
+            await self.redis.zrem(PARKED, session_id)
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 

@@ -3,14 +3,17 @@
 lease has run out, while kept sessions stay and a live orchestrator's calls go on."""
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 
 import pytest
 
+from orchestrator.request_ids import session_for
 from specdec.session_store import EPHEMERAL
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, killed_mid_stream, load_report, redis_client, request, session_handles
+from tests.e2e.test_request_ids import cut_after_first_chunk, retried, rid
 
 pytestmark = pytest.mark.e2e
 
@@ -50,3 +53,34 @@ def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
     more = stub.Generate(request("\n", 4, 0.0, session_id=kept), timeout=60)
     assert len(more.token_ids) == 4
     stub.EndSession(pb.EndSessionRequest(session_id=kept), timeout=30)
+
+
+def test_a_cut_answer_s_caches_go_after_its_retry_window_and_a_later_retry_still_continues(local_stack):
+    """A request id's cut answer keeps its session for the retry; once `--retry-window` has
+    passed with no retry, its caches are released on both replicas and its handle kept, so
+    that a later retry still ends as the uninterrupted answer, from caches built again."""
+    replicas = [r for r in local_stack.replicas if r.proc.poll() is None]
+    held_before = {r.address: load_report(r.address, r.kind).sessions for r in replicas}
+    brief = local_stack.start_orchestrator(extra=["--retry-window", "1"])
+    try:
+        stub = api(brief.address)
+        reference = stub.Generate(request("def main(", 300, 0.0), timeout=120)
+        req = request("def main(", 300, 0.0, request_id=rid())
+        received = cut_after_first_chunk(stub, req)
+        sid = session_for(req.request_id)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            held = {r.address: load_report(r.address, r.kind).sessions for r in replicas}
+            if held == held_before:
+                break
+            time.sleep(0.5)
+        assert held == held_before, "the cut answer's caches outlived its retry window"
+        handle = session_handles(local_stack)[sid]
+        assert (handle["draft"], handle["target"]) == ("", "") and 0 < int(handle["length"])
+        again = retried(api(local_stack.orchestrator_address), req)
+        assert list(again.token_ids) == list(reference.token_ids) and again.token_ids[:len(received)] == received
+        assert 0 < again.stats.resumed_tokens < len(again.token_ids)
+        api(local_stack.orchestrator_address).EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
+    finally:
+        local_stack.orchestrators.remove(brief)
+        local_stack.kill(brief, signal.SIGTERM)

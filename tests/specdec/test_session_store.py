@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from specdec.errors import SessionBusy, SessionNotFound
 from specdec.rounds import Cursor
-from specdec.session_store import EPHEMERAL, PREFIX, AnswerScores, SessionHandle, SessionStore
+from specdec.session_store import EPHEMERAL, PARKED, PREFIX, AnswerScores, SessionHandle, SessionStore
 
 
 def _handle() -> SessionHandle:
@@ -103,7 +103,7 @@ def test_a_request_s_log_probabilities_commit_with_its_tokens_and_live_and_go_wi
     asyncio.run(go())
 
 
-def test_ephemeral_sessions_are_listed_with_their_orchestrator_while_they_live(redis_server):
+def test_ephemeral_and_parked_sessions_are_listed_while_they_live(redis_server):
     async def go():
         client = aioredis.from_url(redis_server.url)
         store = SessionStore(client, ttl_seconds=30, orchestrator_id="orch-a")
@@ -118,6 +118,13 @@ def test_ephemeral_sessions_are_listed_with_their_orchestrator_while_they_live(r
         await store.create(handle)
         await store.forget_ephemeral("s1")
         assert await store.ephemeral_sessions() == {}
+        await store.park("s1", 0)
+        await store.park("kept", 60)
+        assert await store.parked_due(10) == ["s1"]  # the other's window has not passed
+        await store.delete("s1")
+        assert await store.parked_due(10) == [] and await client.zcard(PARKED) == 1
+        await store.unpark("kept")
+        assert not await client.exists(PARKED)
         await client.aclose()
 
     asyncio.run(go())
