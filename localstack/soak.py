@@ -114,6 +114,8 @@ def request_for(i: int, max_new_tokens: int) -> tuple[str, pb.GenerateRequest]:
     req = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0)
     if kind != "cancelled":  # a client that gives up on a stream does not retry it
         req.request_id = uuid.uuid4().hex
+    if kind in ("greedy", "seeded", "long"):  # every other one: their repeats' must match too
+        req.logprobs = (i // len(KINDS)) % 2 == 0
     if kind == "seeded":
         req.temperature, req.seed = 0.8, i % SEEDS
     elif kind == "stop":
@@ -213,14 +215,18 @@ class Tally:
         self.expected: dict[tuple, tuple[list[int], str]] = {}  # key → (tokens, how it ran) of its first answer
         self.compared: Counter = Counter()  # repeats compared with their first answer, by kind
         self.differed: dict[str, list[str]] = {"greedy": [], "seeded": []}
+        self.logprobs: dict[tuple, tuple] = {}  # key → (tokens, log-probabilities) of its first answer with them
+        self.logprobs_compared = 0
 
     def fail(self, what: str, exc: grpc.aio.AioRpcError | str) -> None:
         self.errors[what] += 1
         self.first_error.setdefault(what, exc if isinstance(exc, str) else exc.details())
 
     def check(self, req: pb.GenerateRequest, tokens: list[int], stats: pb.GenerationStats | None,
-              session: str | None = None) -> None:
+              session: str | None = None, logprobs: list[float] | None = None) -> None:
         key = consistency_key(req)
+        if req.logprobs:
+            self.check_logprobs(key, tokens, logprobs or [])
         if key is None:
             return
         kind = "greedy" if req.temperature == 0 else "seeded"
@@ -236,6 +242,23 @@ class Tally:
             self.differed[kind].append(
                 f"{kind}, γ {gamma}, a prompt of {len(req.prompt)} characters: tokens differ from token {at} "
                 f"of {len(want)}; this request: {ran}; the first: {want_ran}")
+
+
+    def check_logprobs(self, key: tuple | None, tokens: list[int], logprobs: list[float]) -> None:
+        """One log-probability per token, those of a retried answer's resumed tokens too; and
+        a repeat's the same as the first's (to 1e-4: the target's rows, whatever its company)."""
+        if len(logprobs) != len(tokens):
+            self.fail("LOGPROBS_MISSING", f"{len(logprobs)} log-probabilities for {len(tokens)} tokens")
+            return
+        if key is None:
+            return
+        first_tokens, first = self.logprobs.setdefault(key, (tokens, logprobs))
+        if first is logprobs or first_tokens != tokens:  # other tokens: reported by `check`
+            return
+        self.logprobs_compared += 1
+        worst = max((abs(a - b) for a, b in zip(first, logprobs)), default=0.0)
+        if worst > 1e-4:
+            self.fail("LOGPROBS_DIFFER", f"a repeat's log-probabilities differ from the first's by {worst:.2e}")
 
 
 def how_it_ran(stats: pb.GenerationStats | None, session: str | None = None) -> str:
@@ -257,7 +280,7 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
     first, seen, attempt = None, [], 0  # seen: the most tokens a cut attempt streamed
     while True:
         address, stub = front.stub()
-        tokens, session, last = [], None, None
+        tokens, logprobs, session, last = [], [], None, None
         call = stub.GenerateStream(req, timeout=timeout)
         try:
             async for chunk in call:
@@ -269,6 +292,7 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
                         tally.cancelled += 1
                         return None
                 tokens.extend(chunk.token_ids)
+                logprobs.extend(item.logprob for item in chunk.logprobs)
             break
         except asyncio.CancelledError:
             raise
@@ -291,7 +315,7 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
     if first is not None:
         tally.first_chunk.append(first)
     tally.tokens += len(tokens)
-    tally.check(req, tokens, last.stats if last is not None else None, session)
+    tally.check(req, tokens, last.stats if last is not None else None, session, logprobs)
     return session
 
 
@@ -476,7 +500,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "first_errors": tally.first_error, "tokens": tally.tokens,
         "compared": dict(tally.compared), "differed": tally.differed, "leftovers": left,
         "restarts": restarts, "chaos_signal": chaos_signal if chaos else None, "redirected": front.redirected,
-        "resumed": front.resumed, "continued": tally.continued,
+        "resumed": front.resumed, "continued": tally.continued, "logprobs_compared": tally.logprobs_compared,
         "batch_invariant": bool(kernels) and all("batch-invariant" in k for k in kernels.values()),
         "kernels": kernels,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
@@ -516,6 +540,8 @@ def format_report(r: dict) -> str:
              + ("(every replica batch-invariant: they must match)" if r.get("batch_invariant") else
                 "(not every replica batch-invariant: a seeded sample may move with its batch company)"),
              *(f"          {m}" for kind in ("greedy", "seeded") for m in r["differed"][kind][:5]),
+             f"logprobs  {r.get('logprobs_compared', 0)} repeats' compared with their first answer's "
+             "(a mismatch, or fewer than the tokens, is an error)",
              *([f"chaos     {len(r['restarts'])} servers stopped with SIG{r['chaos_signal'].upper()}"
                 + (" (orchestrators too)" if any(x.startswith("orchestrator") for x in r["restarts"]) else "")
                 + " and replaced: " + ", ".join(r["restarts"])]

@@ -50,3 +50,4 @@ def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths
     stopped_kinds = {r.split("@")[0] for r in report["restarts"]}
     assert stopped_kinds >= {"target", "draft", "orchestrator"}, report["restarts"]
     assert report["compared"]["greedy"] >= 20
+    assert report["logprobs_compared"] >= 5  # repeats asking for log-probabilities, every one matching
