@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--logprobs", action="store_true", help="ask for each new token's log-probability under the "
                     "target (in the --json response; streamed, their sum and perplexity follow the stats)")
     ap.add_argument("--prompt-logprobs", action="store_true", help="ask for the prompt tokens' log-probabilities "
-                    "too (each given what comes before it; not with --request-id or --retries)")
+                    "too (each given what comes before it)")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K",
                     help="with them, the K (0..20) most likely tokens at each position (implies --logprobs "
                          "unless --prompt-logprobs is given)")
@@ -108,9 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a prompt ('-' reads standard input), or --end-session ID")
     if not 0 <= args.top_logprobs <= 20:
         ap.error(f"--top-logprobs must lie in 0..20, got {args.top_logprobs}")
-    if args.prompt_logprobs and (args.retries or args.request_id):
-        ap.error("--prompt-logprobs cannot be combined with --request-id or --retries (a retry does not feed its "
-                 "prompt again)")
     if args.retries < 0:
         ap.error(f"--retries must be 0 or more, got {args.retries}")
     if args.prompt == "-":

@@ -188,6 +188,15 @@ class Generator:
                                      "with a Redis that lost its writes); send it as a new request")
         return scores
 
+    async def _stored_prompt_scores(self, gen: Generation, req: GenerationRequest, opened: Opened) -> None:
+        """A retry's prompt log-probabilities, as its first attempt stored them before its
+        first round's commit; where it committed none, they are gathered again (the retry's
+        target calls feed the prompt again, its cache not being the handle's)."""
+        data = await self.store.load_scores(gen.handle.session_id, opened.start, prompt=True)
+        if not gen.prompt_scores.restore(data) and opened.resumed:
+            raise PreconditionFailed(f"the prompt log-probabilities of request {req.request_id!r} are no longer "
+                                     "kept (lost with a Redis that lost its writes); send it as a new request")
+
     # ----------------------------------------------------------------- one call each
     def _timeout(self, deadline: float | None) -> float:
         if deadline is None:
@@ -349,6 +358,8 @@ class Generator:
         gen = self._begin(req, handle, deadline, opened.start)
         if req.prompt_logprobs:
             self._score_prompt(gen, opened.start - len(req.prompt_ids), opened.start)
+            if opened.retry:
+                await self._stored_prompt_scores(gen, req, opened)
         if opened.retry and handle.policy and gen.keeps_policy:
             gen.policy = SessionPolicy.restore(handle.policy)
         gen.stats.started = t_start
@@ -572,6 +583,10 @@ class Generator:
             text = gen.text.push(new)[0]
         stats = gen.stats
         t0 = time.perf_counter()
+        prompt = gen.prompt_scores
+        if gen.request_id and prompt is not None and prompt.complete and not prompt.stored:
+            await self.store.save_prompt_scores(gen.handle.session_id, gen.prompt_len, prompt.packed())
+            prompt.stored = True  # before the round's commit: a retry finding its tokens finds these
         if not await self.store.commit(commit):
             # the handle is gone (Redis lost it, or it was ended by an older orchestrator):
             # this call holds the whole session, so it writes it again rather than fail

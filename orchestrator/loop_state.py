@@ -134,11 +134,27 @@ class PromptScores:
     end: int
     top: int
     got: dict[int, TokenLogprob] = field(default_factory=dict)
+    stored: bool = False  # in Redis for a retry (a request with an id), or read from there
+
+    @property
+    def complete(self) -> bool:
+        return len(self.got) >= self.end - self.first
+
+    def packed(self) -> bytes:
+        """The records in position order, as stored (logprobs.pack)."""
+        return logprobs.pack([self.got[p] for p in range(self.first, self.end)], self.top)
+
+    def restore(self, data: bytes) -> bool:
+        """Take them from what an earlier attempt stored → whether it was all there."""
+        records = logprobs.unpack(data, self.top, self.end - self.first)
+        if records is None:
+            return False
+        self.got, self.stored = dict(zip(range(self.first, self.end), records)), True
+        return True
 
     def wants(self, start: int, fed: int) -> bool:
         """Whether a call feeding `fed` tokens from position `start` scores any still missing."""
-        return (fed > 1 and len(self.got) < self.end - self.first and start + 1 < self.end
-                and start + fed > self.first)
+        return fed > 1 and not self.complete and start + 1 < self.end and start + fed > self.first
 
     def missing(self, position: int) -> bool:
         return self.first <= position < self.end and position not in self.got
@@ -152,7 +168,7 @@ class PromptScores:
     def result(self, committed: list[int], replica: str) -> list[tuple[int, TokenLogprob]]:
         """(token, record) per prompt position; PreconditionFailed where a target replica
         from before fed log-probabilities left some out."""
-        if len(self.got) < self.end - self.first:
+        if not self.complete:
             raise PreconditionFailed(f"target replica {replica} returned no prompt log-probabilities (a version "
                                      "from before them?); retry without prompt_logprobs, or once the pool is upgraded")
         return [(committed[p], self.got[p]) for p in range(self.first, self.end)]

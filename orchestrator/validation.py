@@ -61,9 +61,6 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, got {pb.top_logprobs}")
     if pb.top_logprobs and not (pb.logprobs or pb.prompt_logprobs):
         raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
-    if pb.prompt_logprobs and pb.request_id:
-        raise InvalidRequest("prompt_logprobs cannot be combined with request_id: a retry does not feed its prompt "
-                             "again, so its log-probabilities are not at hand; send the request without one of them")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
                             seed=seed)

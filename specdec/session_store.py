@@ -181,7 +181,8 @@ class SessionStore:
                 pipe.expire(meta, ttl)
                 pipe.expire(toks, ttl)
                 for start in handle.answer_starts:  # its requests' log-probabilities live as long
-                    pipe.expire(self.scores_key(handle.session_id, start), ttl)
+                    for key in self.scores_keys(handle.session_id, start):
+                        pipe.expire(key, ttl)
                 if handle.owner:
                     pipe.set(self._lock_key(handle.session_id), handle.owner, px=self.lease_ms)
                 if handle.ephemeral and self.orchestrator_id:
@@ -209,13 +210,27 @@ class SessionStore:
                              cursor, json.loads(meta["params"]), requests=json.loads(meta.get("requests", "[]")),
                              policy=meta.get("policy", ""))
 
-    def scores_key(self, session_id: str, answer_start: int) -> str:
-        return f"{PREFIX}{session_id}:logprobs:{answer_start}"
+    def scores_key(self, session_id: str, answer_start: int, prompt: bool = False) -> str:
+        """The key of the log-probabilities of a request's answer, or of its prompt."""
+        return f"{PREFIX}{session_id}:{'prompt_logprobs' if prompt else 'logprobs'}:{answer_start}"
 
-    async def load_scores(self, session_id: str, answer_start: int) -> bytes:
-        """The log-probabilities stored for the request whose answer starts there (b"": none)."""
+    def scores_keys(self, session_id: str, answer_start: int) -> tuple[str, str]:
+        return self.scores_key(session_id, answer_start), self.scores_key(session_id, answer_start, prompt=True)
+
+    async def load_scores(self, session_id: str, answer_start: int, prompt: bool = False) -> bytes:
+        """The log-probabilities stored for the request whose answer starts there, of its
+        answer or of its prompt (b"": none)."""
         try:
-            return await self.redis.get(self.scores_key(session_id, answer_start)) or b""
+            return await self.redis.get(self.scores_key(session_id, answer_start, prompt)) or b""
+        except RedisError as exc:
+            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+
+    async def save_prompt_scores(self, session_id: str, answer_start: int, data: bytes) -> None:
+        """A request's prompt's log-probabilities, written before its first round's commit,
+        so that a retry finds them wherever it finds any of its answer: the retry does not
+        feed its prompt again. They live as the handle's others do."""
+        try:
+            await self.redis.set(self.scores_key(session_id, answer_start, prompt=True), data, ex=self.ttl)
         except RedisError as exc:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
@@ -271,7 +286,7 @@ class SessionStore:
 
     async def delete(self, session_id: str, answer_starts: list[int] = ()) -> bool:
         """Delete the handle, its lock, and the log-probabilities stored for its requests."""
-        scores = [self.scores_key(session_id, start) for start in answer_starts]
+        scores = [key for start in answer_starts for key in self.scores_keys(session_id, start)]
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)

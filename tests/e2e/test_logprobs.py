@@ -87,7 +87,6 @@ def test_a_kept_session_s_logprobs_condition_on_its_history(local_stack, target_
 @pytest.mark.parametrize("fields, says", [
     (dict(logprobs=True, top_logprobs=21), "top_logprobs must lie in 0..20"),
     (dict(top_logprobs=3), "top_logprobs needs logprobs or prompt_logprobs"),
-    (dict(prompt_logprobs=True, request_id="r-1"), "prompt_logprobs cannot be combined with request_id"),
 ])
 def test_bad_logprob_fields_are_refused_clearly(local_stack, fields, says):
     stub = api(local_stack.orchestrator_address)
@@ -102,22 +101,26 @@ def close(a, b) -> bool:
 
 def test_a_retried_request_sends_the_logprobs_its_cut_attempt_committed_again(local_stack, target_model, tokenizer):
     """A cut stream retried with its id: the resumed tokens come with the log-probabilities
-    stored beside them, the answer's are the uninterrupted call's, and a whole answer's
-    second retry gets them all again; where they are no longer kept, it says so."""
+    stored beside them, the answer's are the uninterrupted call's, the prompt's those the
+    cut attempt stored, and a whole answer's second retry gets them all again; where they
+    are no longer kept, it says so."""
     stub = api(local_stack.orchestrator_address)
     prompt = "import os\n\ndef walk("
-    reference = stub.Generate(request(prompt, 200, logprobs=True, top_logprobs=2), timeout=120)
-    req = request(prompt, 200, logprobs=True, top_logprobs=2, request_id=rid())
+    reference = stub.Generate(request(prompt, 200, logprobs=True, top_logprobs=2, prompt_logprobs=True), timeout=120)
+    req = request(prompt, 200, logprobs=True, top_logprobs=2, prompt_logprobs=True, request_id=rid())
     received = cut_after_first_chunk(stub, req)
     again = retried(stub, req)
     assert 0 < again.stats.resumed_tokens < len(again.token_ids)
     assert list(again.token_ids) == list(reference.token_ids) and again.token_ids[:len(received)] == received
     assert close(again.logprobs, reference.logprobs)
+    assert close(again.prompt_logprobs, reference.prompt_logprobs)  # stored by the cut attempt
+    check_prompt(target_model, [], tokenizer(prompt)["input_ids"], again.prompt_logprobs, top=2)
     assert [[t.token_id for t in x.top][:1] for x in again.logprobs] == \
         [[t.token_id for t in x.top][:1] for x in reference.logprobs]
     check_against_the_target(target_model, tokenizer(prompt)["input_ids"], list(again.token_ids), again.logprobs, 2)
     whole = stub.Generate(req, timeout=120)
     assert whole.stats.resumed_tokens == len(whole.token_ids) and close(whole.logprobs, reference.logprobs)
+    assert close(whole.prompt_logprobs, reference.prompt_logprobs)
     store = redis_client(local_stack)
     keys = store.keys(f"specdec:session:{session_for(req.request_id)}:logprobs:*")
     assert len(keys) == 1 and store.ttl(keys[0]) > 0

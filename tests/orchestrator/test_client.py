@@ -65,8 +65,6 @@ def test_logprobs_in_json_and_their_sum_after_a_stream(local_stack):
     prompt = client("def parse(line):\n", "--address", local_stack.orchestrator_address, "--max-new-tokens", "4",
                     "--prompt-logprobs")
     assert re.search(r"prompt logprobs of \d+ tokens: sum -?[\d.]+", prompt.stderr) and "\nlogprobs" not in prompt.stderr
-    bad = client("x", "--address", local_stack.orchestrator_address, "--prompt-logprobs", "--retries", "2")
-    assert bad.returncode == 2 and "cannot be combined" in bad.stderr
 
 
 def test_a_conversation_kept_continued_and_ended(local_stack):

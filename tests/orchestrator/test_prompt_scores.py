@@ -31,3 +31,14 @@ def test_positions_a_replica_left_out_fail_the_call_clearly():
     with pytest.raises(PreconditionFailed, match="no prompt log-probabilities"):
         scores.result(list(range(6)), "127.0.0.1:1")
     assert PromptScores(first=3, end=3, top=0).result([1, 2, 3], "t") == []  # an empty prompt
+
+
+def test_stored_scores_restore_whole_or_not_at_all():
+    scores = PromptScores(first=2, end=5, top=0)
+    scores.note(1, answer(1, 4))  # positions 2..4
+    assert scores.complete
+    again = PromptScores(first=2, end=5, top=0)
+    assert again.restore(scores.packed()) and again.stored and again.got == scores.got
+    assert not again.wants(1, 4)
+    short = PromptScores(first=2, end=6, top=0)
+    assert not short.restore(scores.packed()) and not short.stored and not short.got
