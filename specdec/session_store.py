@@ -228,11 +228,17 @@ class SessionStore:
     async def save_prompt_scores(self, session_id: str, answer_start: int, data: bytes) -> None:
         """A request's prompt's log-probabilities, written before its first round's commit,
         so that a retry finds them wherever it finds any of its answer: the retry does not
-        feed its prompt again. They live as the handle's others do."""
-        try:
-            await self.redis.set(self.scores_key(session_id, answer_start, prompt=True), data, ex=self.ttl)
-        except RedisError as exc:
-            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        feed its prompt again. They live as the handle's others do. Retried like a commit,
+        for the commit it goes before."""
+        window = RetryWindow(self.commit_retry_seconds)
+        while True:
+            try:
+                await self.redis.set(self.scores_key(session_id, answer_start, prompt=True), data, ex=self.ttl)
+                return
+            except RedisError as exc:
+                if window.spent():
+                    raise Unavailable(f"Redis is unavailable: {exc}") from exc
+                await window.wait()
 
     def round_commit(self, handle: SessionHandle, new_tokens: list[int],
                      scores: AnswerScores | None = None) -> RoundCommit:
