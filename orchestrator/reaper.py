@@ -12,7 +12,8 @@ orchestrators whose heartbeat is gone: caches on both replicas and the handle, a
 call's end would have. The session's lease decides who does it, and when: a session is
 taken only once the dead call's lease has run out (`--session-lease`), and only by one
 orchestrator. A live orchestrator's sessions are never taken, however long one of its
-rounds lasts (tests/e2e/test_reaper.py).
+rounds lasts (tests/e2e/test_reaper.py); and one whose heartbeat lapsed (an event loop held
+for seconds) loses only a session whose lease lapsed too, no round committed for as long.
 
 A request with an id whose answer was cut (a cancelled stream, a deadline) keeps its session
 for the retry to continue (orchestrator/request_ids.py). Its caches stayed on both replicas
@@ -81,6 +82,8 @@ class Reaper:
                     await self.reap_once()
             except (RedisError, SpecDecError) as exc:
                 log.warning("session reaper: %s", exc)
+            except Exception:  # noqa: BLE001 - the heartbeat must outlive any failure of a pass
+                log.exception("session reaper: a pass failed")
             await asyncio.sleep(BEAT_S)
 
     async def reap_once(self) -> int:
