@@ -28,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
 from specdec import metrics
 from specdec.errors import SessionNotFound, SpecDecError
+from specdec.session_store import SessionHandle
 
 log = logging.getLogger(__name__)
 ALIVE_PREFIX = "specdec:orchestrator:"
@@ -104,17 +106,27 @@ class Reaper:
             reaped += await self._reap(session_id, listed[session_id])
         return reaped
 
-    async def _reap(self, session_id: str, orchestrator: str) -> bool:
+    async def _take(self, session_id: str, forget: Callable[[str], Awaitable[None]]) -> SessionHandle | None:
+        """The session, held under a lease of this reaper's own → its handle; None where a
+        call (or another reaper) holds it, or where it is gone (then `forget` drops its
+        listing)."""
         owner = "reaper-" + uuid.uuid4().hex
         if not await self.store.try_lock(session_id, owner):
-            return False  # the dead call's lease has not run out yet (or another reaper has it)
+            return None
         try:
             handle = await self.store.load(session_id)
         except SessionNotFound:  # released, or expired, without its listing
-            await self.store.forget_ephemeral(session_id)
+            await forget(session_id)
             await self.store.unlock(session_id, owner)
-            return False
+            return None
         handle.owner = owner
+        return handle
+
+    async def _reap(self, session_id: str, orchestrator: str) -> bool:
+        """Release a dead orchestrator's session, caches and handle, once its call's lease ran out."""
+        handle = await self._take(session_id, self.store.forget_ephemeral)
+        if handle is None:
+            return False
         await self.generator.release(handle)
         metrics.SESSIONS_REAPED.labels("orchestrator_died").inc()
         log.info("released session %s of orchestrator %s, which stopped without releasing it", session_id,
@@ -124,20 +136,13 @@ class Reaper:
     async def _unpark(self, session_id: str) -> bool:
         """Release a parked session's caches, keeping its handle for a later retry; a retry
         running now is left alone (cut again, it parks the session anew)."""
-        owner = "reaper-" + uuid.uuid4().hex
-        if not await self.store.try_lock(session_id, owner):
-            return False
-        try:
-            handle = await self.store.load(session_id)
-        except SessionNotFound:
-            await self.store.unpark(session_id)
-            await self.store.unlock(session_id, owner)
+        handle = await self._take(session_id, self.store.unpark)
+        if handle is None:
             return False
         await self.store.unpark(session_id)
         if not (handle.draft_replica or handle.target_replica):  # answered whole since, or released
-            await self.store.unlock(session_id, owner)
+            await self.store.unlock(session_id, handle.owner)
             return False
-        handle.owner = owner
         await self.generator.release(handle, keep_handle=True, handle_ttl=self.store.ttl)
         metrics.SESSIONS_REAPED.labels("retry_window").inc()
         return True
