@@ -6,9 +6,10 @@ that runs it, at its end. If that call's orchestrator dies (a crash, an OOM kill
 lost), nobody releases it: its handle stayed in Redis until `--session-ttl` (600 s) and its
 caches on both replicas until their idle expiry, holding memory a replica's live sessions
 need. Now every orchestrator keeps a heartbeat key in Redis (renewed every `BEAT_S`, expiring
-after `ALIVE_S`), lists each such session beside its own id while it runs
-(`session_store.EPHEMERAL`), and every `interval` seconds releases the listed sessions of
-orchestrators whose heartbeat is gone: caches on both replicas and the handle, as the dead
+after `ALIVE_S`) and its id in a set of them (`ORCHESTRATORS`), lists each such session
+beside its own id while it runs (`session_store.EPHEMERAL`), and every `interval` seconds
+checks the others' heartbeats; only where one is gone does it read the listing, to release
+that orchestrator's sessions, and it drops the id once none is left: caches on both replicas and the handle, as the dead
 call's end would have. The session's lease decides who does it, and when: a session is
 taken only once the dead call's lease has run out (`--session-lease`), and only by one
 orchestrator. A live orchestrator's sessions are never taken, however long one of its
@@ -38,6 +39,7 @@ from specdec.session_store import SessionHandle
 
 log = logging.getLogger(__name__)
 ALIVE_PREFIX = "specdec:orchestrator:"
+ORCHESTRATORS = "specdec:orchestrators"  # the ids of the orchestrators that beat, alive or not reaped yet
 BEAT_S = 1.0  # how often an orchestrator renews its heartbeat
 ALIVE_S = 5  # how long a heartbeat lasts unrenewed: an orchestrator silent this long is dead
 INTERVAL_S = 2.0  # how often the listed sessions are checked
@@ -59,8 +61,19 @@ class Reaper:
     def new_id() -> str:
         return uuid.uuid4().hex[:16]
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """The first heartbeat, before this orchestrator lists any session, then the loop."""
+        try:
+            await self._beat()
+        except RedisError as exc:  # the loop beats again in a second
+            log.warning("session reaper: %s", exc)
         self._task = asyncio.ensure_future(self._run())
+
+    async def _beat(self) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(ALIVE_PREFIX + self.id, "1", ex=ALIVE_S)
+            pipe.sadd(ORCHESTRATORS, self.id)
+            await pipe.execute()
 
     async def stop(self) -> None:
         """Stop beating and say so at once: this orchestrator's sessions left over (a drain
@@ -77,8 +90,9 @@ class Reaper:
         checked = 0.0
         loop = asyncio.get_running_loop()
         while True:
+            await asyncio.sleep(BEAT_S)
             try:
-                await self.redis.set(ALIVE_PREFIX + self.id, "1", ex=ALIVE_S)
+                await self._beat()
                 if self.interval and loop.time() - checked >= self.interval:
                     checked = loop.time()
                     await self.reap_once()
@@ -86,24 +100,30 @@ class Reaper:
                 log.warning("session reaper: %s", exc)
             except Exception:  # noqa: BLE001 - the heartbeat must outlive any failure of a pass
                 log.exception("session reaper: a pass failed")
-            await asyncio.sleep(BEAT_S)
 
     async def reap_once(self) -> int:
         """Release the listed sessions of dead orchestrators whose lease has run out → how many."""
         reaped = 0
         for session_id in await self.store.parked_due(MAX_PER_PASS):
             reaped += await self._unpark(session_id)
-        listed = await self.store.ephemeral_sessions()
-        owners = sorted(set(listed.values()) - {self.id})
-        if not owners:
+        others = sorted({m.decode() for m in await self.redis.smembers(ORCHESTRATORS)} - {self.id})
+        if not others:
             return reaped
         async with self.redis.pipeline(transaction=False) as pipe:
-            for owner in owners:
-                pipe.exists(ALIVE_PREFIX + owner)
-            alive = dict(zip(owners, await pipe.execute()))
-        dead = [sid for sid, owner in listed.items() if owner != self.id and not alive[owner]]
-        for session_id in dead[:MAX_PER_PASS]:
-            reaped += await self._reap(session_id, listed[session_id])
+            for other in others:
+                pipe.exists(ALIVE_PREFIX + other)
+            dead = {other for other, alive in zip(others, await pipe.execute()) if not alive}
+        if not dead:  # the usual case: the listing is not read at all
+            return reaped
+        left = {other: [] for other in dead}
+        for session_id, owner in (await self.store.ephemeral_sessions()).items():
+            if owner in left:
+                left[owner].append(session_id)
+        for other, sessions in left.items():
+            if not sessions:  # all released: no more to look for
+                await self.redis.srem(ORCHESTRATORS, other)
+            for session_id in sessions[:max(0, MAX_PER_PASS - reaped)]:
+                reaped += await self._reap(session_id, other)
         return reaped
 
     async def _take(self, session_id: str, forget: Callable[[str], Awaitable[None]]) -> SessionHandle | None:

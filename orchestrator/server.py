@@ -407,7 +407,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.serve_metrics(args.metrics_port)
     log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
     reaper = Reaper(generator, redis, orchestrator_id, args.reap_interval)
-    reaper.start()
+    await reaper.start()
     await shell.server.start()
     await shell.set_serving(True)
     shell.install_signal_handlers()

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from orchestrator.request_ids import session_for
+from orchestrator.reaper import ORCHESTRATORS
 from specdec.session_store import EPHEMERAL
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import Streams, api, killed_mid_stream, load_report, redis_client, request, session_handles
@@ -22,6 +23,7 @@ def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
     replicas = [r for r in local_stack.replicas if r.proc.poll() is None]
     held_before = {r.address: load_report(r.address, r.kind).sessions for r in replicas}
     handles_before = set(session_handles(local_stack))
+    ids_before = redis_client(local_stack).smembers(ORCHESTRATORS)
     doomed = local_stack.start_orchestrator(extra=["--session-lease", "2"])
     live = Streams(api(local_stack.orchestrator_address), [request("def walk(path):\n", 400, 0.0)])
     cut = Streams(api(doomed.address), [request("def main(", 1024, 0.0), request("class A:\n", 1024, 0.0),
@@ -38,7 +40,9 @@ def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
     while True:
         handles = {sid for sid in session_handles(local_stack) if sid not in handles_before}
         held = {r.address: load_report(r.address, r.kind).sessions for r in replicas}
-        if len(handles) == 1 and held == {a: n + 1 for a, n in held_before.items()} or time.monotonic() > deadline:
+        ids = redis_client(local_stack).smembers(ORCHESTRATORS)
+        if len(handles) == 1 and held == {a: n + 1 for a, n in held_before.items()} and ids == ids_before \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     print(f"released {time.monotonic() - killed:.1f} s after the kill")
@@ -46,6 +50,7 @@ def test_a_killed_orchestrators_sessions_are_released_by_another(local_stack):
     assert len(handles) == 1, handles
     assert held == {a: n + 1 for a, n in held_before.items()}, (held, held_before)
     assert not redis_client(local_stack).hgetall(EPHEMERAL)
+    assert ids == ids_before  # the dead orchestrator's id, nothing of it left to release, is dropped
     (tokens, last), = live.join()  # a live orchestrator's call is never taken, however long
     assert len(tokens) == 400 and last.finish_reason == pb.FINISH_REASON_LENGTH
     kept = handles.pop()
