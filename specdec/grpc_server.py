@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import os
 import signal
+import sys
+import threading
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -127,17 +129,34 @@ def watch_stop(grace: float, slack: float = STOP_SLACK_S) -> Callable[[], None]:
     watch. A stop's steps after the drain (deregistering, the batcher's thread, closing
     Redis) have no deadline of their own, and a replica was once seen not to exit (Kubernetes
     kills it at the end of its grace period; the local stack after 15 s): this says where it
-    hung. The thread dump comes from a C thread, so it is written even when the event loop
-    itself is blocked; the tasks' stacks say what the loop awaits when it is not."""
+    hung. The thread dump comes from a thread of its own, so it is written even when the
+    event loop itself is blocked; the tasks' stacks say what the loop awaits when it is not.
+    It is a Python thread, not faulthandler's C watchdog: that one reads the other threads'
+    frames without the GIL, and once crashed the process (SIGSEGV) while the loop ran."""
     after = grace + slack
-    faulthandler.dump_traceback_later(after, exit=False)
+    fired = threading.Timer(after, _write_threads, args=(after,))
+    fired.daemon = True
+    fired.name = "stop-watch"
+    fired.start()
     timer = asyncio.get_running_loop().call_later(after, _log_pending_tasks, after)
 
     def end() -> None:
-        faulthandler.cancel_dump_traceback_later()
+        fired.cancel()
         timer.cancel()
 
     return end
+
+
+def _write_threads(after: float) -> None:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = [f"the stop has run {after:.1f}s; its threads:\n"]
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        lines.append(f"\nThread {ident:#x} ({names.get(ident, '?')}, most recent call first):\n")
+        lines.extend(reversed(traceback.format_stack(frame)))
+    sys.stderr.write("".join(lines))
+    sys.stderr.flush()
 
 
 def _log_pending_tasks(after: float) -> None:

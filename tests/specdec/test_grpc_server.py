@@ -1,7 +1,7 @@
 """watch_stop: a server's stop that runs past its drain's grace says where it hangs.
 
-Each case runs in a process of its own, since the thread dump comes from a C thread that
-writes to the process's stderr."""
+Each case runs in a process of its own, since the thread dump is written to the process's
+stderr (under uvloop faulthandler's C watchdog, used before, once crashed it: SIGSEGV)."""
 import subprocess
 import sys
 import textwrap
@@ -46,7 +46,7 @@ def run(stop_after: float, loop: str = "asyncio") -> str:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_stop_past_its_grace_writes_the_threads_and_the_tasks_it_waits_on(loop):
     err = run(stop_after=0.5, loop=loop)
-    assert "most recent call first" in err  # faulthandler's dump of the threads
+    assert "MainThread, most recent call first" in err  # the dump of the threads
     assert "still waits on task deregistering" in err
     # the task's whole await chain, outermost first, down to what it waits on
     assert err.index("in stopping") < err.index("in deregister_forever") < err.index("in wait")
