@@ -30,7 +30,8 @@ from target_service.engine import TargetEngine
 def _sampling_kwargs(params: SamplingParams) -> dict:
     if params.greedy:
         return {"do_sample": False}
-    return {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    return {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "min_p": params.min_p or None}
 
 
 def _left_padded(batch: list[Request], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,13 +139,14 @@ class DraftEngine:
         return bool(jobs) and all(j.params.greedy and not j.runner_ups and j.stop_below <= 0 for j in jobs)
 
     def _plain_sampled(self, jobs: list[ProposeJob]) -> bool:
-        """Jobs drawn at one temperature with nothing but the draw at each step (no top-k or
-        top-p to cut the law, no bonus guess, no early stop): the runner can draft them in
+        """Jobs drawn at one temperature with nothing but the draw at each step (no top-k,
+        top-p or min-p to cut the law, no bonus guess, no early stop): the runner can draft them in
         one native call (ModelRunner.draft_sampled)."""
         vocab = self.runner.vocab_size
         return (bool(jobs) and len({j.params.temperature for j in jobs}) == 1
                 and all(not j.params.greedy and (j.params.top_k <= 0 or j.params.top_k >= vocab)
-                        and j.params.top_p >= 1.0 and not j.guess_bonus and j.stop_below <= 0 for j in jobs))
+                        and j.params.top_p >= 1.0 and j.params.min_p <= 0.0 and not j.guess_bonus
+                        and j.stop_below <= 0 for j in jobs))
 
     def _draft_natively(self, jobs: list[ProposeJob], items: list[ForwardItem]):
         """→ (tokens, q or None) per job from one native call of every step, where the jobs

@@ -28,7 +28,9 @@ def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:
         raise InvalidRequest(f"top_p must lie in (0, 1], got {pb.top_p}")
     if pb.top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0, got {pb.top_k}")
-    return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed)
+    if not (0 <= pb.min_p <= 1):  # a NaN fails this too
+        raise InvalidRequest(f"min_p must lie in [0, 1], got {pb.min_p}")
+    return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed, pb.min_p)
 
 
 def distributions_pb(q16: torch.Tensor | None) -> replica_pb2.DraftDistributions | None:

@@ -38,7 +38,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                              stop=args.stop or [], session_id=args.session_id or "", keep_session=args.keep_session,
                              request_id=args.request_id or "",
                              logprobs=args.logprobs or bool(args.top_logprobs) and not args.prompt_logprobs,
-                             top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs)
+                             top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs,
+                             min_p=args.min_p, stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos)
     req.temperature = args.temperature
     if args.top_p is not None:
         req.top_p = args.top_p
@@ -68,10 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = all (default)")
     ap.add_argument("--top-p", type=float, help="keep the likeliest tokens up to this mass, in (0, 1]; unset = all")
+    ap.add_argument("--min-p", type=float, default=0.0, help="keep the tokens at least this fraction as likely "
+                    "as the likeliest, in [0, 1]; 0 = all (default)")
     ap.add_argument("--seed", type=int, help="the sampling seed: the same request and seed give the same "
                     "tokens; unset = a random one, printed with the stats")
     ap.add_argument("--gamma", type=int, help="speculation length; unset = adaptive, 0 = target only")
     ap.add_argument("--stop", action="append", help="stop before this string (repeatable)")
+    ap.add_argument("--stop-token-id", type=int, action="append", metavar="ID",
+                    help="also end the answer after this token id (repeatable; kept in the answer, as EOS is)")
+    ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token (to generate "
+                    "exactly --max-new-tokens, as a load test may want)")
     ap.add_argument("--session-id", help="continue this session (kept by an earlier call)")
     ap.add_argument("--keep-session", action="store_true", help="keep the session for a later call")
     ap.add_argument("--request-id", help="makes a retry safe: the same command with the same id continues (or "

@@ -37,6 +37,8 @@ from specdec import logprobs, metrics, rounds
 from specdec.errors import (DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed, RequestSuperseded,
                             Unavailable)
 from specdec.internal.v1 import replica_pb2
+from specdec.rounds import Ends
+from specdec.sampling import GREEDY_BELOW
 from specdec.session_store import AnswerScores, RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
 from specdec.wire_pb import ref_to_pb
@@ -138,7 +140,7 @@ class Generator:
                 raise InvalidRequest(f"the prompt ({len(handle.committed)} tokens with the session's history) "
                                      f"leaves no room in the model context of {self.max_len} tokens")
             handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
-                             "top_p": req.params.top_p, "seed": req.params.seed}
+                             "top_p": req.params.top_p, "seed": req.params.seed, "min_p": req.params.min_p}
             handle.policy = ""  # the previous request's
             if req.request_id or handle.requests:  # saved with the prompt in one write: a retry finds both or neither
                 marks = request_ids.record(marks, req.request_id, req.fingerprint, before, len(handle.committed))
@@ -166,7 +168,7 @@ class Generator:
             return None
         text = gen.text.push(tokens)[0] if tokens else ""
         reason = "stop" if gen.text.stopped else request_ids.finished(
-            tokens, req.max_new_tokens, self.eos_id, opened.start + len(tokens), self.max_len)
+            tokens, req.max_new_tokens, gen.ends, opened.start + len(tokens), self.max_len)
         if reason is None and opened.older:
             raise RequestSuperseded(
                 f"request {req.request_id!r} was cut short after {len(tokens)} tokens and session "
@@ -260,6 +262,9 @@ class Generator:
             ms = (time.perf_counter() - t0) * 1000
             stats.verify_ms += ms
             gen.calls.append(Call("target", ms, request, resp, len(ref.tokens) <= 2, len(draft_tokens)))
+            if resp.min_p != gen.params_pb.min_p and gen.params_pb.temperature >= GREEDY_BELOW:
+                raise PreconditionFailed(f"target replica {handle.target_replica} ignored min_p (a version from "
+                                         "before it?); retry without min_p, or once the pool is upgraded")
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
                           f"after {MAX_ATTEMPTS} attempts")
@@ -441,10 +446,12 @@ class Generator:
             handle, deadline, SessionLinks(self.pools, self.calls), Stats(),
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
             TextStream(self.tokenizer, req.stop),
-            replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
+            replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                                       min_p=p.min_p),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs)
+            top_logprobs=req.top_logprobs,
+            ends=Ends(None if req.ignore_eos else self.eos_id, req.stop_token_ids))
 
     @staticmethod
     def _score_prompt(gen: Generation, before: int, start: int) -> None:
@@ -499,15 +506,13 @@ class Generator:
 
     def _apply(self, gen: Generation, m: int, gamma: int, draft_tokens: list[int],
                verdict) -> tuple[list[int], str | None, str]:
-        """The verdict's tokens, cut after EOS or where a stop string ends, committed to the
+        """The verdict's tokens, cut after EOS or a stop token or where a stop string ends, committed to the
         handle → (the new tokens, their text or None, the finish reason so far). Only stop
         strings make the text decide the tokens; without them the text is decoded after the
         next round's call has left (`_finish_round`), and None is returned for it."""
         new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
-        reason = "length"
-        if self.eos_id is not None and self.eos_id in new:
-            new = new[: new.index(self.eos_id) + 1]
-            reason = "eos"
+        new, reason = gen.ends.cut(new)
+        reason = reason or "length"
         text = None
         if gen.text.stop:
             text, kept = gen.text.push(new)

@@ -15,6 +15,7 @@ from specdec import logprobs
 from specdec.errors import PreconditionFailed
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
+from specdec.rounds import Ends
 from specdec.session_store import SessionHandle
 from specdec.sessions import CacheRef
 from specdec.spec_loop import LoopStats
@@ -35,6 +36,8 @@ class GenerationRequest:
     logprobs: bool = False  # report the new tokens' log-probabilities under the target
     top_logprobs: int = 0  # and this many most likely tokens at each position
     prompt_logprobs: bool = False  # report the prompt tokens' log-probabilities too
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end the answer besides EOS
+    ignore_eos: bool = False  # EOS does not end the answer
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Generation:
     logprobs: bool = False  # each round's verification returns its tokens' log-probabilities
     top_logprobs: int = 0  # with this many alternatives each
     prompt_scores: "PromptScores | None" = None  # the prompt's log-probabilities, where asked
+    ends: Ends = field(default_factory=Ends)  # the tokens that end this answer
     runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)

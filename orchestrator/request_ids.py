@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from specdec.rounds import Ends
+
 MAX_KEPT = 16  # the records a session keeps: retries of older requests are refused
 SESSION_PREFIX = "request-"
 
@@ -73,12 +75,13 @@ def answer(committed: list[int], mark: RequestMark) -> list[int]:
     return committed[mark.start:] if mark.end < 0 else committed[mark.start:mark.end]
 
 
-def finished(tokens: list[int], max_new_tokens: int, eos_id: int | None, committed_len: int,
+def finished(tokens: list[int], max_new_tokens: int, ends: Ends, committed_len: int,
              max_len: int) -> str | None:
     """The finish reason of an answer committed so far, judged by its tokens alone (stop
     strings are the text's to judge), or None where it has more to generate."""
-    if eos_id is not None and tokens and tokens[-1] == eos_id:
-        return "eos"
+    reason = ends.reason(tokens[-1]) if tokens else None
+    if reason is not None:
+        return reason
     if len(tokens) >= max_new_tokens:
         return "length"
     if committed_len >= max_len:

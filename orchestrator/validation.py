@@ -16,6 +16,7 @@ SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_PROMPT_CHARS = 200_000
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKENS = 16
 
 
 def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit: int) -> GenerationRequest:
@@ -49,6 +50,8 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest(f"top_p must lie in (0, 1], got {top_p}")
     if pb.top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 = no truncation), got {pb.top_k}")
+    if not math.isfinite(pb.min_p) or not 0 <= pb.min_p <= 1:
+        raise InvalidRequest(f"min_p must lie in [0, 1] (0 = no truncation), got {pb.min_p}")
     if len(pb.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in pb.stop):
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     gamma = None
@@ -63,12 +66,22 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
-                            seed=seed)
+                            seed=seed, min_p=float(pb.min_p))
     return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
                              keep_session=pb.keep_session, seeded=pb.HasField("seed"),
                              request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
-                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs)
+                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
+                             stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos)
+
+
+def _stop_token_ids(pb, vocab_size: int) -> frozenset[int]:
+    if len(pb.stop_token_ids) > MAX_STOP_TOKENS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKENS} stop_token_ids, got {len(pb.stop_token_ids)}")
+    bad = [t for t in pb.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids must lie in 0..{vocab_size - 1}; got {bad[0]}")
+    return frozenset(pb.stop_token_ids)
 
 
 def _fingerprint(pb) -> str:

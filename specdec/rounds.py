@@ -6,7 +6,7 @@ feeds at least the newest committed token (whose logits the next step needs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.sessions import CacheRef
 
@@ -16,6 +16,28 @@ class Cursor:
     draft_len: int = 0
     target_len: int = 0
     target_resync: bool = False  # the target holds more than target_len: roll back next call
+
+
+@dataclass(frozen=True)
+class Ends:
+    """The tokens that end an answer: the model's EOS (None where the request ignores it)
+    and the request's stop token ids. Each is kept in the answer, as EOS always was."""
+    eos_id: int | None = None
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def reason(self, token: int) -> str | None:
+        """→ "eos" or "stop" where `token` ends the answer, else None."""
+        if token == self.eos_id:
+            return "eos"
+        return "stop" if token in self.stop_ids else None
+
+    def cut(self, new: list[int]) -> tuple[list[int], str | None]:
+        """A round's new tokens up to and with the first that ends the answer → (them, its reason)."""
+        for i, token in enumerate(new):
+            reason = self.reason(token)
+            if reason is not None:
+                return new[: i + 1], reason
+        return new, None
 
 
 def plan_gamma(gamma: int, remaining: int, committed_len: int, max_len: int) -> int:

@@ -47,6 +47,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no truncation
     top_p: float = 1.0  # 1.0 = no truncation
     seed: int = 0
+    min_p: float = 0.0  # 0 = no truncation; else drop tokens below min_p × the most likely one's probability
 
     @property
     def greedy(self) -> bool:
@@ -55,7 +56,7 @@ class SamplingParams:
 
     @property
     def truncates(self) -> bool:
-        return self.greedy or self.top_k > 0 or self.top_p < 1.0
+        return self.greedy or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def _splitmix64(x: int) -> int:
@@ -179,7 +180,8 @@ def top_probability(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits → [..., V] float32 probabilities under temperature, top-k, top-p.
+    """[..., V] logits → [..., V] float32 probabilities under temperature, top-k, top-p,
+    min-p, in that order (as transformers' and vLLM's samplers apply them).
 
     Greedy gives a one-hot of the argmax, so one acceptance rule serves both modes.
     """
@@ -199,12 +201,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0.0:  # a ratio to the row's largest: the same before or after renormalising
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
 def _law(params: SamplingParams) -> tuple:
     """What `logits_to_probs` depends on: rows with the same law share its operators."""
-    return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
+    return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

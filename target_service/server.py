@@ -57,7 +57,9 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result
-        return verdict_to_pb(result)
+        reply = verdict_to_pb(result)
+        reply.min_p = params.min_p  # says it was applied (a replica from before min_p leaves it 0)
+        return reply
 
     async def Verify(self, request, context):
         return await self.host.answer(self.verify, request, context)

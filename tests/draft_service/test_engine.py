@@ -186,6 +186,7 @@ def test_only_plain_sampled_jobs_take_the_native_draw(draft_model):
     assert not engine._plain_sampled([])
     for other in (ProposeJob(ref, 4, SamplingParams(1.0, top_p=0.9, seed=3)),  # a cut law
                   ProposeJob(ref, 4, SamplingParams(1.0, top_k=50, seed=3)),
+                  ProposeJob(ref, 4, SamplingParams(1.0, seed=3, min_p=0.05)),
                   ProposeJob(ref, 4, t1, guess_bonus=True),  # a pre-draft's bonus guess
                   ProposeJob(ref, 4, t1, stop_below=0.1),
                   ProposeJob(ref, 4, SamplingParams(0.7, seed=3)),  # another temperature beside t = 1

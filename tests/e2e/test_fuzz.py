@@ -42,10 +42,14 @@ def any_request(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         r.top_p = draw(floats)
     if draw(st.booleans()):
+        r.min_p = draw(floats)
+    if draw(st.booleans()):
         r.seed = draw(st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
         r.num_speculative_tokens = draw(small_or_any(-2, MAX_GAMMA + 2))
     r.stop.extend(draw(st.lists(st.text(max_size=300), max_size=20)))
+    r.stop_token_ids.extend(draw(st.lists(small_or_any(-5, 5000), max_size=20)))
+    r.ignore_eos = draw(st.booleans())
     return r
 
 
@@ -58,7 +62,11 @@ def valid_request(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         r.top_p = draw(st.floats(0.05, 1.0))
     if draw(st.booleans()):
+        r.min_p = draw(st.floats(0.0, 1.0, width=32))
+    if draw(st.booleans()):
         r.num_speculative_tokens = draw(st.integers(0, MAX_GAMMA))
+    r.stop_token_ids.extend(draw(st.lists(st.integers(0, 300), max_size=3)))
+    r.ignore_eos = draw(st.booleans())
     if draw(st.booleans()):
         r.logprobs, r.top_logprobs = True, draw(st.integers(0, 20))
     r.prompt_logprobs = draw(st.booleans())
@@ -128,6 +136,7 @@ def check_one(state, case) -> None:
             assert len(last.logprobs) == (len(last.token_ids) if payload.logprobs else 0)
             assert all(len(item.top) == payload.top_logprobs for item in last.logprobs)
             assert len(last.prompt_logprobs) == (last.stats.prompt_tokens - 1 if payload.prompt_logprobs else 0)
+            assert not set(payload.stop_token_ids) & set(last.token_ids[:-1]), "the answer went on past a stop token"
         if wants_kept(payload):
             state["kept"].add(last.session_id)
     state["calls"][code.name] = state["calls"].get(code.name, 0) + 1

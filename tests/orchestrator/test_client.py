@@ -83,6 +83,23 @@ def test_a_conversation_kept_continued_and_ended(local_stack):
     assert "error: NOT_FOUND:" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_the_end_and_min_p_flags_reach_the_server(local_stack):
+    address = local_stack.orchestrator_address
+    full = client("class Stack:\n", "--address", address, "--max-new-tokens", "12", "--json")
+    tokens = json.loads(full.stdout)["token_ids"]
+    k = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    cut = client("class Stack:\n", "--address", address, "--max-new-tokens", "12", "--json",
+                 "--stop-token-id", str(tokens[k]), "--stop-token-id", "5", "--ignore-eos")
+    assert cut.returncode == 0, cut.stderr
+    answer = json.loads(cut.stdout)
+    assert answer["token_ids"] == tokens[: k + 1] and answer["finish_reason"] == "FINISH_REASON_STOP"
+    sampled = client("def f(", "--address", address, "--max-new-tokens", "8", "--temperature", "1", "--min-p",
+                     "0.2", "--seed", "4")
+    assert sampled.returncode == 0, sampled.stderr
+    bad = client("x", "--address", address, "--min-p", "1.5")
+    assert bad.returncode == 1 and "error: INVALID_ARGUMENT: min_p" in bad.stderr
+
+
 @pytest.mark.parametrize("args, words", [
     (["x", "--top-p", "2"], "error: INVALID_ARGUMENT: top_p"),
     (["x", "--address", "127.0.0.1:1", "--timeout", "2"], "error: UNAVAILABLE:"),

@@ -1,6 +1,7 @@
 """Request ids' records on a session: where each request's answer lies, and when it is done."""
 from orchestrator import request_ids as rq
 from orchestrator.request_ids import RequestMark
+from specdec.rounds import Ends
 
 
 def test_a_request_without_a_session_gets_the_same_session_id_every_attempt():
@@ -43,12 +44,16 @@ def test_records_survive_their_stored_form():
 
 
 def test_an_answer_is_done_by_eos_length_or_context_only():
-    assert rq.finished([4, 5, 2], 10, 2, 50, 100) == "eos"
-    assert rq.finished([4, 5, 6], 3, 2, 50, 100) == "length"
-    assert rq.finished([4, 5, 6], 10, 2, 100, 100) == "context"
-    assert rq.finished([4, 2, 6], 10, 2, 50, 100) is None  # EOS only ends an answer at its end
-    assert rq.finished([], 10, 2, 50, 100) is None
-    assert rq.finished([4], 10, None, 50, 100) is None
+    eos = Ends(eos_id=2)
+    assert rq.finished([4, 5, 2], 10, eos, 50, 100) == "eos"
+    assert rq.finished([4, 5, 6], 3, eos, 50, 100) == "length"
+    assert rq.finished([4, 5, 6], 10, eos, 100, 100) == "context"
+    assert rq.finished([4, 2, 6], 10, eos, 50, 100) is None  # EOS only ends an answer at its end
+    assert rq.finished([], 10, eos, 50, 100) is None
+    assert rq.finished([4], 10, Ends(), 50, 100) is None
+    # a stop token ends it too; an ignored EOS does not
+    assert rq.finished([4, 7], 10, Ends(eos_id=2, stop_ids=frozenset({7})), 50, 100) == "stop"
+    assert rq.finished([4, 2], 10, Ends(stop_ids=frozenset({7})), 50, 100) is None
 
 
 def test_fingerprints_tell_requests_apart():

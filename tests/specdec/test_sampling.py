@@ -56,6 +56,38 @@ def test_top_k_and_top_p_truncate():
     assert torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_likeliest():
+    logits = torch.tensor([2.0, 1.5, 0.0, -1.0, -3.0])
+    full = torch.softmax(logits, -1)
+    probs = logits_to_probs(logits, SamplingParams(min_p=0.1))
+    assert (probs > 0).tolist() == (full >= 0.1 * full[0]).tolist() == [True, True, True, False, False]
+    assert torch.allclose(probs[:3], full[:3] / full[:3].sum())
+    assert torch.equal(logits_to_probs(logits, SamplingParams(min_p=1.0)) > 0, full == full.max())
+    assert SamplingParams(min_p=0.1).truncates and not SamplingParams().truncates
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.3), (1.3, 20, 1.0, 0.1), (1.0, 0, 0.9, 0.1), (0.8, 30, 0.95, 0.02),
+    (1.0, 0, 0.5, 0.0)])
+def test_the_laws_are_transformers_samplers(temperature, top_k, top_p, min_p):
+    """Temperature, top-k, top-p and min-p as transformers' warpers chain them (the order
+    `generate()` applies them in), on rows of a real vocabulary's size."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(5)) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    theirs = torch.softmax(scores, -1)
+    ours = logits_to_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    assert torch.equal(ours > 0, theirs > 0)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
 def test_uniforms_are_seeded_and_stateless():
     a = sampling.uniforms(7, 100, 5, sampling.STREAM_ACCEPT)
     assert torch.equal(a, sampling.uniforms(7, 100, 5, sampling.STREAM_ACCEPT))
@@ -112,8 +144,9 @@ def simulate(p_table, q_table, gamma, trials, gen, positions_needed=2, race_bonu
 
 
 CASES = [
-    # (temperature, top_k, top_p, how the draft relates to the target)
+    # (temperature, top_k, top_p, how the draft relates to the target; min_p 0.15 where it is "min_p")
     (1.0, 0, 1.0, "independent"),
+    (1.0, 0, 1.0, "min_p"),
     (0.7, 0, 1.0, "independent"),
     (1.3, 5, 1.0, "independent"),
     (1.0, 0, 0.8, "independent"),
@@ -129,7 +162,7 @@ CASES = [
 def test_output_distribution_is_the_targets(gamma, temperature, top_k, top_p, relation, bonus, rule):
     gen = torch.Generator().manual_seed(1000 * gamma + CASES.index((temperature, top_k, top_p, relation))
                                         + 7 * (bonus == "race") + 31 * (rule == "token"))
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.15 * (relation == "min_p"))
     positions = 3
     p_logits = torch.randn(positions, V, generator=gen) * 1.5
     q_logits = torch.randn(positions, V, generator=gen) * 1.5

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class DraftDistributions(_message.Message):
     __slots__ = ("vocab_size", "sparse", "dense_fp16", "sparse_ids_int32", "sparse_probs_fp16", "row_lengths")
@@ -101,7 +103,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs")
+    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,7 @@ class VerifyResponse(_message.Message):
     FED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FED_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cache_length: int
@@ -130,7 +133,8 @@ class VerifyResponse(_message.Message):
     fed_logprobs: _containers.RepeatedScalarFieldContainer[float]
     fed_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     fed_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    min_p: float
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
