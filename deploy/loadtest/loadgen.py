@@ -100,9 +100,11 @@ def parse_duration(text: str) -> float:
 
 
 def request_data(prompt: str, max_new_tokens: int, temperature: float | None,
-                 gamma: int | None = None, seed: int | None = None) -> dict:
+                 gamma: int | None = None, seed: int | None = None, ignore_eos: bool = False) -> dict:
     """The GenerateRequest as ghz's --data JSON."""
     data: dict = {"prompt": prompt, "max_new_tokens": max_new_tokens}
+    if ignore_eos:  # every call generates max_new_tokens: runs compare like with like
+        data["ignore_eos"] = True
     if temperature is not None:
         data["temperature"] = temperature
     if gamma is not None:
@@ -307,6 +309,7 @@ async def run_load_async(
     prompt: str = "The quick brown fox",
     gamma: int | None = None,
     seed: int | None = None,
+    ignore_eos: bool = False,
     insecure: bool = True,
     cacert: str | None = None,
     cert: str | None = None,
@@ -327,7 +330,7 @@ async def run_load_async(
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     creds = None if insecure else channel_credentials(cacert, cert, key)
-    data = request_data(prompt, max_new_tokens, temperature, gamma, seed)
+    data = request_data(prompt, max_new_tokens, temperature, gamma, seed, ignore_eos)
 
     if reflection:  # types from the server, as ghz: no generated code involved
         request_class, make_rpc = _reflection_factory(target, call, creds, options, metadata)
@@ -394,6 +397,7 @@ def from_ghz_config(path: str) -> dict:
         "temperature": data.get("temperature"),
         "gamma": data.get("num_speculative_tokens", data.get("numSpeculativeTokens")),
         "seed": data.get("seed"),
+        "ignore_eos": data.get("ignore_eos", data.get("ignoreEos")),
     }
     auth = (cfg.get("metadata") or {}).get("authorization", "")
     if auth.startswith("Bearer "):
@@ -416,6 +420,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", help='default "The quick brown fox"')
     p.add_argument("--gamma", type=int, help="num_speculative_tokens (default: the server's adaptive policy)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="go on past the end-of-sequence token: every call generates --max-new-tokens")
     p.add_argument("--insecure", action="store_true", help="plaintext (the default unless --cacert)")
     p.add_argument("--cacert", help="CA bundle to verify the server; enables TLS")
     p.add_argument("--cert", help="client certificate (mutual TLS)")
@@ -433,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 RUN_LOAD_FLAGS = ("target", "concurrency", "total", "duration", "rps", "stream", "max_new_tokens", "temperature",
-                  "prompt", "gamma", "seed", "cacert", "cert", "key", "server_name", "token", "timeout",
+                  "prompt", "gamma", "seed", "ignore_eos", "cacert", "cert", "key", "server_name", "token", "timeout",
                   "connections", "reflection", "allow_remote")
 
 

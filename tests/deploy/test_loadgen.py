@@ -250,6 +250,8 @@ def test_ghz_config_is_valid_for_reflection(path):
     # ghz decodes data with protojson, which (like json_format) rejects unknown field names
     request = json_format.ParseDict(cfg["data"], orchestrator_pb2.GenerateRequest())
     assert request.prompt and request.max_new_tokens > 0 and request.HasField("temperature")
+    assert request.ignore_eos  # every call generates max_new_tokens: runs compare like with like
+    assert loadgen.from_ghz_config(str(path))["ignore_eos"] is True
 
 
 @pytest.mark.e2e
@@ -275,6 +277,18 @@ def test_loadgen_against_local_stack(local_stack, capsys):
     assert s["count"] == 8 and s["status_codes"] == {"OK": 8}
     assert s["tokens"] > 0
     assert "Latency distribution:" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_ignore_eos_makes_every_call_generate_max_new_tokens(local_stack, capsys):
+    ends = 'if __name__ == "__main__":\n    unittest.main()\n'  # the target's greedy answer: EOS at once
+    runs = {flag: loadgen.run_load(target=local_stack.orchestrator_address, total=3, max_new_tokens=6,
+                                   temperature=0.0, prompt=ends, ignore_eos=flag, print_summary=False)
+            for flag in (False, True)}
+    assert runs[False]["tokens"] == 3 and runs[True]["tokens"] == 3 * 6
+    assert loadgen.main(["--target", local_stack.orchestrator_address, "-n", "2", "--max-new-tokens", "5",
+                         "--temperature", "0", "--prompt", ends, "--ignore-eos", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 2 * 5
 
 
 @pytest.mark.e2e
