@@ -37,9 +37,11 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
                              stop=args.stop or [], session_id=args.session_id or "", keep_session=args.keep_session,
                              request_id=args.request_id or "",
-                             logprobs=args.logprobs or bool(args.top_logprobs) and not args.prompt_logprobs,
+                             logprobs=args.logprobs or (bool(args.top_logprobs) or args.processed_logprobs)
+                             and not args.prompt_logprobs,
                              top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs,
-                             min_p=args.min_p, stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos)
+                             min_p=args.min_p, stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos,
+                             processed_logprobs=args.processed_logprobs)
     req.temperature = args.temperature
     if args.top_p is not None:
         req.top_p = args.top_p
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "target (in the --json response; streamed, their sum and perplexity follow the stats)")
     ap.add_argument("--prompt-logprobs", action="store_true", help="ask for the prompt tokens' log-probabilities "
                     "too (each given what comes before it)")
+    ap.add_argument("--processed-logprobs", action="store_true", help="log-probabilities of the law the tokens "
+                    "are drawn from (after temperature, top-k, top-p, min-p), not the raw one (implies --logprobs "
+                    "unless --prompt-logprobs)")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K",
                     help="with them, the K (0..20) most likely tokens at each position (implies --logprobs "
                          "unless --prompt-logprobs is given)")

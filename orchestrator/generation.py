@@ -248,7 +248,8 @@ class Generator:
                 self._rewind_for_scores(gen)
                 ref = rounds.target_ref(handle.session_id, handle.epoch, handle.committed, handle.cursor)
                 request = replica_pb2.VerifyRequest(
-                    cache=ref_to_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb)
+                    cache=ref_to_pb(ref), draft_tokens=draft_tokens, distributions=dists, sampling=gen.params_pb,
+                    processed_logprobs=gen.processed_logprobs)
                 if gen.logprobs:
                     request.logprobs, request.top_logprobs = True, gen.top_logprobs
                 scoring = self._ask_fed_scores(gen, request, ref)
@@ -262,9 +263,7 @@ class Generator:
             ms = (time.perf_counter() - t0) * 1000
             stats.verify_ms += ms
             gen.calls.append(Call("target", ms, request, resp, len(ref.tokens) <= 2, len(draft_tokens)))
-            if resp.min_p != gen.params_pb.min_p and gen.params_pb.temperature >= GREEDY_BELOW:
-                raise PreconditionFailed(f"target replica {handle.target_replica} ignored min_p (a version from "
-                                         "before it?); retry without min_p, or once the pool is upgraded")
+            self._check_law(gen, resp)
             return resp
         raise Unavailable(f"the target pool could not verify session {handle.session_id} "
                           f"after {MAX_ATTEMPTS} attempts")
@@ -292,14 +291,29 @@ class Generator:
                 handle.cursor.draft_len = max(handle.cursor.draft_len, start + chunk)
             else:
                 ref = CacheRef(handle.session_id, handle.epoch, start, feed, handle.cursor.target_resync)
-                request = replica_pb2.VerifyRequest(cache=ref_to_pb(ref), sampling=gen.params_pb)
+                request = replica_pb2.VerifyRequest(cache=ref_to_pb(ref), sampling=gen.params_pb,
+                                                    processed_logprobs=gen.processed_logprobs)
                 scoring = self._ask_fed_scores(gen, request, ref)
                 t0 = time.perf_counter()
                 resp = await gen.links.verify(handle.target_replica, request, self._timeout(gen.deadline))
+                self._check_law(gen, resp)
                 if scoring:
                     gen.prompt_scores.note(start, resp)
                 gen.stats.verify_ms += (time.perf_counter() - t0) * 1000
                 handle.cursor.target_len, handle.cursor.target_resync = start + chunk, False
+
+    @staticmethod
+    def _check_law(gen: Generation, resp: replica_pb2.VerifyResponse) -> None:
+        """A target replica from before min_p or processed log-probabilities ignores them (the
+        fields are unknown to it): its reply, which echoes neither, is refused rather than
+        used, since the tokens or their numbers would not be what the request asked for."""
+        replica = gen.handle.target_replica
+        if resp.min_p != gen.params_pb.min_p and gen.params_pb.temperature >= GREEDY_BELOW:
+            raise PreconditionFailed(f"target replica {replica} ignored min_p (a version from before it?); "
+                                     "retry without min_p, or once the pool is upgraded")
+        if gen.processed_logprobs and not resp.processed_logprobs:
+            raise PreconditionFailed(f"target replica {replica} ignored processed_logprobs (a version from before "
+                                     "it?); retry without it, or once the pool is upgraded")
 
     @staticmethod
     def _rewind_for_scores(gen: Generation) -> None:
@@ -450,7 +464,7 @@ class Generator:
                                        min_p=p.min_p),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs,
+            top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs,
             ends=Ends(None if req.ignore_eos else self.eos_id, req.stop_token_ids))
 
     @staticmethod

@@ -38,6 +38,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # report the prompt tokens' log-probabilities too
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the answer besides EOS
     ignore_eos: bool = False  # EOS does not end the answer
+    processed_logprobs: bool = False  # log-probabilities of the sampled law, not the raw one
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Generation:
     request_id: str = ""  # the request's id (a retry of it goes on from what was committed)
     logprobs: bool = False  # each round's verification returns its tokens' log-probabilities
     top_logprobs: int = 0  # with this many alternatives each
+    processed_logprobs: bool = False  # of the sampled law (every target call asks so)
     prompt_scores: "PromptScores | None" = None  # the prompt's log-probabilities, where asked
     ends: Ends = field(default_factory=Ends)  # the tokens that end this answer
     runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions

@@ -64,6 +64,8 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, got {pb.top_logprobs}")
     if pb.top_logprobs and not (pb.logprobs or pb.prompt_logprobs):
         raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
+    if pb.processed_logprobs and not (pb.logprobs or pb.prompt_logprobs):
+        raise InvalidRequest("processed_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
                             seed=seed, min_p=float(pb.min_p))
@@ -72,7 +74,8 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                              keep_session=pb.keep_session, seeded=pb.HasField("seed"),
                              request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
                              logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
-                             stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos)
+                             stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos,
+                             processed_logprobs=pb.processed_logprobs)
 
 
 def _stop_token_ids(pb, vocab_size: int) -> frozenset[int]:

@@ -5,6 +5,9 @@ before temperature, top-k and top-p), as scoring and evaluation need them: the s
 whatever the request sampled with, and the same as a forward of the target alone over the
 text gives (tests/specdec/test_logprobs.py, tests/e2e/test_logprobs.py). The verification's
 forward has computed those logits already; only the requesting sessions' kept rows are read.
+Or, where a request asks for them processed, from the law its tokens were sampled from (after
+temperature, top-k, top-p and min-p; −inf outside its support; greedy: 0 for the argmax), as
+a policy-gradient trainer needs the sampler's own probabilities (`processed_rows`).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from specdec import sampling
 
 MAX_TOP = 20  # alternatives per position at most, as common APIs allow
 
@@ -22,6 +27,12 @@ class TokenLogprob:
     pairs at its position, most likely first."""
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+def processed_rows(logits: torch.Tensor, params: list[sampling.SamplingParams]) -> torch.Tensor:
+    """[n, V] logits, one law per row → [n, V] log-probabilities of those laws, as
+    `token_logprobs` takes logits (their log-softmax is themselves: each row's mass is 1)."""
+    return torch.log(sampling.probs_rows(logits, params))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int = 0

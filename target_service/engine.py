@@ -30,6 +30,7 @@ class VerifyJob:
     logprobs: bool = False  # return the kept tokens' log-probabilities (specdec/logprobs.py)
     top_logprobs: int = 0  # and this many most likely tokens at each of their positions
     fed_logprobs: bool = False  # and those of ref.tokens[1:] (a prompt's), from the rows that predict them
+    processed: bool = False  # of the sampled law (temperature, top-k, top-p, min-p), not the raw one
 
     @property
     def forward_size(self) -> int:
@@ -139,6 +140,8 @@ class TargetEngine:
             gamma, fed = len(job.draft_tokens), len(job.ref.tokens)
             if job.fed_logprobs:
                 rows = logits[at:at + fed - 1]
+                if job.processed:
+                    rows = lp.processed_rows(rows, [job.params] * len(rows))
                 chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:], dtype=torch.long),
                                                         job.top_logprobs)
                 out[b] = chosen.tolist(), ids.flatten().tolist(), values.flatten().tolist()
@@ -164,8 +167,13 @@ class TargetEngine:
             rows.extend(range(starts[b], starts[b] + n + 1))
             tokens.extend(jobs[b].draft_tokens[:n] + [token])
             counts.append(n + 1)
-        chosen, ids, values = lp.token_logprobs(logits[torch.tensor(rows, device=logits.device)],
-                                                torch.tensor(tokens), top)
+        picked = logits[torch.tensor(rows, device=logits.device)].float()  # a copy: rows of it may be replaced
+        laws = [(at, jobs[b].params) for b, count, at0 in zip(asking, counts, accumulate([0] + counts))
+                if jobs[b].processed for at in range(at0, at0 + count)]
+        if laws:  # the processed ones: their sampled laws' log-probabilities stand for their logits
+            at = torch.tensor([i for i, _ in laws], device=logits.device)
+            picked[at] = lp.processed_rows(picked[at], [law for _, law in laws])
+        chosen, ids, values = lp.token_logprobs(picked, torch.tensor(tokens), top)
         at = 0
         for b, count in zip(asking, counts):
             k = jobs[b].top_logprobs

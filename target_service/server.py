@@ -53,12 +53,13 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         params = params_from_pb(request.sampling)
         q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size, params.greedy)
         job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q, params, request.logprobs,
-                        request.top_logprobs, request.fed_logprobs)
+                        request.top_logprobs, request.fed_logprobs, request.processed_logprobs)
         result = await self.host.batcher.submit(job)
         if isinstance(result, Exception):
             raise result
         reply = verdict_to_pb(result)
-        reply.min_p = params.min_p  # says it was applied (a replica from before min_p leaves it 0)
+        # say what was applied (a replica from before these fields leaves them unset)
+        reply.min_p, reply.processed_logprobs = params.min_p, request.processed_logprobs
         return reply
 
     async def Verify(self, request, context):

@@ -32,7 +32,8 @@ def any_request(draw) -> pb.GenerateRequest:
     r = pb.GenerateRequest(max_new_tokens=draw(small_or_any(-2, MAX_NEW_TOKENS + 2)), top_k=draw(small_or_any(-2, 50)),
                            session_id=draw(session_ids), keep_session=draw(st.booleans()),
                            request_id=draw(request_ids), logprobs=draw(st.booleans()),
-                           top_logprobs=draw(small_or_any(-2, 25)), prompt_logprobs=draw(st.booleans()))
+                           top_logprobs=draw(small_or_any(-2, 25)), prompt_logprobs=draw(st.booleans()),
+                           processed_logprobs=draw(st.booleans()))
     if draw(st.booleans()):
         r.prompt = draw(st.text(max_size=200))
     if draw(st.booleans()):
@@ -70,6 +71,7 @@ def valid_request(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         r.logprobs, r.top_logprobs = True, draw(st.integers(0, 20))
     r.prompt_logprobs = draw(st.booleans())
+    r.processed_logprobs = (r.logprobs or r.prompt_logprobs) and draw(st.booleans())
     r.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     return r
 

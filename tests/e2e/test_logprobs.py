@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.v1 import orchestrator_pb2 as pb
 from orchestrator.request_ids import session_for
 from tests.e2e.helpers import api, redis_client, request
@@ -84,9 +85,47 @@ def test_a_kept_session_s_logprobs_condition_on_its_history(local_stack, target_
     check_against_the_target(target_model, history, list(second.token_ids), second.logprobs, 1)
 
 
+@pytest.mark.parametrize("case", ["sampled", "greedy"])
+def test_processed_logprobs_are_those_of_the_law_the_tokens_were_drawn_from(local_stack, target_model, tokenizer,
+                                                                           case):
+    """With processed_logprobs, the answer's and the prompt's numbers are the log of the
+    sampled law over a plain forward of the target (temperature, top-k, top-p, min-p
+    applied; −inf outside it; greedy: 0 at the likeliest token), and the tokens are those
+    of the same request asking for raw ones."""
+    stub = api(local_stack.orchestrator_address)
+    prompt = "def parse(line):\n    "
+    law = (dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.05, seed=12) if case == "sampled"
+           else dict(temperature=0.0))
+    raw = stub.Generate(request(prompt, 40, **law, logprobs=True), timeout=120)
+    done = stub.Generate(request(prompt, 40, **law, logprobs=True, top_logprobs=3, prompt_logprobs=True,
+                                 processed_logprobs=True), timeout=120)
+    assert list(done.token_ids) == list(raw.token_ids)
+    ids = tokenizer(prompt)["input_ids"]
+    text = ids + list(done.token_ids)
+    with torch.no_grad():
+        logits = target_model(input_ids=torch.tensor([text])).logits[0, :-1].float()
+    params = SamplingParams(law["temperature"], law.get("top_k", 0), law.get("top_p", 1.0), 0, law.get("min_p", 0.0))
+    rows = torch.log(logits_to_probs(logits, params))
+    tokens = torch.tensor(text[1:])
+    want = rows[torch.arange(len(tokens)), tokens]
+    got = torch.tensor([x.logprob for x in list(done.prompt_logprobs) + list(done.logprobs)])
+    assert torch.isfinite(got[-len(done.token_ids):]).all()  # a drawn token lies in its law
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=2e-3)
+    if case == "greedy":
+        assert all(x.logprob == 0.0 for x in done.logprobs)
+    else:  # not the raw numbers: the law is cut and sharpened
+        assert not close(done.logprobs, raw.logprobs)
+    top = torch.tensor([[t.logprob for t in x.top] for x in done.logprobs])
+    values = rows[-len(done.token_ids):].topk(3, dim=-1).values
+    assert torch.equal(torch.isinf(top), torch.isinf(values))
+    assert torch.allclose(top[torch.isfinite(top)], values[torch.isfinite(values)], atol=2e-3)
+
+
 @pytest.mark.parametrize("fields, says", [
     (dict(logprobs=True, top_logprobs=21), "top_logprobs must lie in 0..20"),
     (dict(top_logprobs=3), "top_logprobs needs logprobs or prompt_logprobs"),
+    (dict(processed_logprobs=True), "processed_logprobs needs logprobs or prompt_logprobs"),
 ])
 def test_bad_logprob_fields_are_refused_clearly(local_stack, fields, says):
     stub = api(local_stack.orchestrator_address)

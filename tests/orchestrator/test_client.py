@@ -96,6 +96,9 @@ def test_the_end_and_min_p_flags_reach_the_server(local_stack):
     sampled = client("def f(", "--address", address, "--max-new-tokens", "8", "--temperature", "1", "--min-p",
                      "0.2", "--seed", "4")
     assert sampled.returncode == 0, sampled.stderr
+    processed = client("def f(", "--address", address, "--max-new-tokens", "6", "--processed-logprobs", "--json")
+    assert processed.returncode == 0, processed.stderr
+    assert [x.get("logprob", 0.0) for x in json.loads(processed.stdout)["logprobs"]] == [0.0] * 6  # greedy: one-hot
     bad = client("x", "--address", address, "--min-p", "1.5")
     assert bad.returncode == 1 and "error: INVALID_ARGUMENT: min_p" in bad.stderr
 

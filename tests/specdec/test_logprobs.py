@@ -4,6 +4,7 @@ import math
 import torch
 
 from specdec import logprobs as lp
+from specdec.sampling import SamplingParams, logits_to_probs
 
 
 def test_chosen_and_top_log_probabilities_are_the_log_softmax_of_the_rows():
@@ -44,3 +45,16 @@ def test_stored_records_unpack_to_what_was_packed_and_a_short_store_says_so():
     assert lp.unpack(data, 3, 6) is None and lp.unpack(b"", 0, 0) == []
     bare = [lp.TokenLogprob(r.logprob) for r in recs]
     assert lp.unpack(lp.pack(bare, 0), 0, 5) == bare
+
+
+def test_processed_rows_are_the_sampled_laws_in_log_space():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 2
+    laws = [SamplingParams(0.7, top_k=10, min_p=0.1), SamplingParams(0.0), SamplingParams(1.0, top_p=0.8)]
+    rows = lp.processed_rows(logits, laws)
+    for row, law, raw in zip(rows, laws, logits):
+        assert torch.allclose(row.exp(), logits_to_probs(raw, law), atol=1e-6)
+    assert (rows[1] == 0).sum() == 1 and rows[1].argmax() == logits[1].argmax() and torch.isinf(rows[1]).sum() == 49
+    # as logits: their log-softmax is themselves, so token_logprobs reports the laws' numbers
+    chosen, ids, values = lp.token_logprobs(rows, logits.argmax(-1), 2)
+    assert torch.allclose(chosen, rows.gather(1, logits.argmax(-1, keepdim=True)).view(-1), atol=1e-6)
+    assert torch.isinf(values[1, 1]) and values[1, 0] == 0

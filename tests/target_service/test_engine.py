@@ -217,3 +217,45 @@ def test_fed_tokens_logprobs_come_from_every_row_and_leave_the_verdicts_as_they_
         values, ids = ref.topk(2, dim=-1)
         assert torch.tensor(a.fed_top_ids).view(-1, 2)[:, 0].tolist() == ids[:, 0].tolist()
         assert torch.allclose(torch.tensor(a.fed_top_logprobs).view(-1, 2), values, atol=1e-4)
+
+
+def test_processed_logprobs_are_the_sampled_laws_beside_raw_ones_in_one_batch(target_model):
+    """Sessions asking for processed log-probabilities get those of the law they sample from
+    (temperature, top-k, top-p, min-p applied to a plain forward's logits: −inf outside it;
+    greedy: 0 at the argmax), for kept and fed tokens, in a batch with a session asking for
+    raw ones; the verdicts are those of a batch asking for none."""
+    V = ModelRunner(target_model).vocab_size
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, V, (7 + 2 * b,), generator=g).tolist() for b in range(3)]
+    drafts = [torch.randint(0, V, (gamma,), generator=g).tolist() for gamma in (3, 2, 0)]
+    laws = [SamplingParams(0.8, top_k=40, top_p=0.9, seed=3, min_p=0.05), SamplingParams(1.0, seed=8),
+            SamplingParams(0.0)]
+    qs = [torch.softmax(torch.randn(len(d), V, generator=g, dtype=torch.float64), -1) for d in drafts]
+    processed = [True, False, True]
+
+    def jobs(asked: bool) -> list[VerifyJob]:
+        return [VerifyJob(CacheRef(f"s{b}", 1, 0, prompts[b]), drafts[b], None if laws[b].greedy else qs[b], laws[b],
+                          asked, 3 if asked else 0, asked and b != 1, asked and processed[b]) for b in range(3)]
+
+    asked = TargetEngine(ModelRunner(target_model)).verify(jobs(True))
+    plain = TargetEngine(ModelRunner(target_model)).verify(jobs(False))
+    for b, (a, p) in enumerate(zip(asked, plain)):
+        assert (a.accepted, a.next_token, a.cache_length) == (p.accepted, p.next_token, p.cache_length)
+        kept = drafts[b][:a.accepted] + [a.next_token]
+        with torch.no_grad():
+            logits = target_model(input_ids=torch.tensor([prompts[b] + kept])).logits[0, :-1].float()
+        ref = torch.log(sampling.logits_to_probs(logits, laws[b])) if processed[b] else torch.log_softmax(logits, -1)
+        tokens = torch.tensor(prompts[b][1:] + kept)
+        want = ref[torch.arange(len(tokens)), tokens]
+        got = torch.tensor((a.fed_logprobs or []) + a.logprobs)
+        if b == 1:  # raw, kept tokens only
+            want, ref = want[-len(kept):], ref[-len(kept):]
+        assert torch.isfinite(got[-len(kept):]).all()  # kept tokens always lie in the law; fed ones need not
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-4)
+        top = torch.tensor((a.fed_top_logprobs or []) + a.top_logprobs).view(-1, 3)
+        values = ref.topk(3, dim=-1).values
+        assert torch.equal(torch.isinf(top), torch.isinf(values))
+        assert torch.allclose(top[torch.isfinite(top)], values[torch.isfinite(values)], atol=1e-4)
+        if laws[b].greedy:  # one-hot: the argmax's log-probability is 0, every other −inf
+            assert a.logprobs == [0.0] * len(kept) and torch.isinf(top[:, 1:]).all()

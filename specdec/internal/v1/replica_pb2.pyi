@@ -85,7 +85,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., runner_ups: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cache", "draft_tokens", "distributions", "sampling", "logprobs", "top_logprobs", "fed_logprobs")
+    __slots__ = ("cache", "draft_tokens", "distributions", "sampling", "logprobs", "top_logprobs", "fed_logprobs", "processed_logprobs")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class VerifyRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cache: CacheRef
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     distributions: DraftDistributions
@@ -100,10 +101,11 @@ class VerifyRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     fed_logprobs: bool
-    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fed_logprobs: _Optional[bool] = ...) -> None: ...
+    processed_logprobs: bool
+    def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fed_logprobs: _Optional[bool] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p")
+    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p", "processed_logprobs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,7 @@ class VerifyResponse(_message.Message):
     FED_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cache_length: int
@@ -134,7 +137,8 @@ class VerifyResponse(_message.Message):
     fed_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     fed_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     min_p: float
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ...) -> None: ...
+    processed_logprobs: bool
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
