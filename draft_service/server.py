@@ -28,9 +28,16 @@ def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:
         raise InvalidRequest(f"top_p must lie in (0, 1], got {pb.top_p}")
     if pb.top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0, got {pb.top_k}")
-    if not (0 <= pb.min_p <= 1):  # a NaN fails this too
+    if not (0 <= pb.min_p <= 1):  # a NaN fails this too (and the checks below)
         raise InvalidRequest(f"min_p must lie in [0, 1], got {pb.min_p}")
-    return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed, pb.min_p)
+    repetition = pb.repetition_penalty or 1.0  # unset (0): off
+    if not (0 < repetition <= 100) or not all(abs(x) <= 10 for x in (pb.presence_penalty, pb.frequency_penalty)):
+        raise InvalidRequest(f"penalties out of range: repetition {pb.repetition_penalty} (0, 100], presence "
+                             f"{pb.presence_penalty} and frequency {pb.frequency_penalty} [-10, 10]")
+    if pb.penalty_start < 0:
+        raise InvalidRequest(f"penalty_start must be >= 0, got {pb.penalty_start}")
+    return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed, pb.min_p, repetition,
+                                   pb.presence_penalty, pb.frequency_penalty, pb.penalty_start)
 
 
 def distributions_pb(q16: torch.Tensor | None) -> replica_pb2.DraftDistributions | None:

@@ -41,10 +41,13 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                              and not args.prompt_logprobs,
                              top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs,
                              min_p=args.min_p, stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos,
-                             processed_logprobs=args.processed_logprobs)
+                             processed_logprobs=args.processed_logprobs, presence_penalty=args.presence_penalty,
+                             frequency_penalty=args.frequency_penalty)
     req.temperature = args.temperature
     if args.top_p is not None:
         req.top_p = args.top_p
+    if args.repetition_penalty is not None:
+        req.repetition_penalty = args.repetition_penalty
     if args.seed is not None:
         req.seed = args.seed
     if args.gamma is not None:
@@ -73,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, help="keep the likeliest tokens up to this mass, in (0, 1]; unset = all")
     ap.add_argument("--min-p", type=float, default=0.0, help="keep the tokens at least this fraction as likely "
                     "as the likeliest, in [0, 1]; 0 = all (default)")
+    ap.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already in the context "
+                    "by this (multiply where negative), in (0, 10]; unset = 1, off")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="lower the logits of tokens already in the "
+                    "answer by this, in [-2, 2] (default 0)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="lower them by this per occurrence, in "
+                    "[-2, 2] (default 0)")
     ap.add_argument("--seed", type=int, help="the sampling seed: the same request and seed give the same "
                     "tokens; unset = a random one, printed with the stats")
     ap.add_argument("--gamma", type=int, help="speculation length; unset = adaptive, 0 = target only")

@@ -140,7 +140,10 @@ class Generator:
                 raise InvalidRequest(f"the prompt ({len(handle.committed)} tokens with the session's history) "
                                      f"leaves no room in the model context of {self.max_len} tokens")
             handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
-                             "top_p": req.params.top_p, "seed": req.params.seed, "min_p": req.params.min_p}
+                             "top_p": req.params.top_p, "seed": req.params.seed, "min_p": req.params.min_p,
+                             "repetition_penalty": req.params.repetition_penalty,
+                             "presence_penalty": req.params.presence_penalty,
+                             "frequency_penalty": req.params.frequency_penalty}
             handle.policy = ""  # the previous request's
             if req.request_id or handle.requests:  # saved with the prompt in one write: a retry finds both or neither
                 marks = request_ids.record(marks, req.request_id, req.fingerprint, before, len(handle.committed))
@@ -304,9 +307,10 @@ class Generator:
 
     @staticmethod
     def _check_law(gen: Generation, resp: replica_pb2.VerifyResponse) -> None:
-        """A target replica from before min_p or processed log-probabilities ignores them (the
-        fields are unknown to it): its reply, which echoes neither, is refused rather than
-        used, since the tokens or their numbers would not be what the request asked for."""
+        """A target replica from before min_p, processed log-probabilities or penalties
+        ignores them (the fields are unknown to it): its reply, which echoes none, is refused
+        rather than used, since the tokens or their numbers would not be what the request
+        asked for."""
         replica = gen.handle.target_replica
         if resp.min_p != gen.params_pb.min_p and gen.params_pb.temperature >= GREEDY_BELOW:
             raise PreconditionFailed(f"target replica {replica} ignored min_p (a version from before it?); "
@@ -314,6 +318,10 @@ class Generator:
         if gen.processed_logprobs and not resp.processed_logprobs:
             raise PreconditionFailed(f"target replica {replica} ignored processed_logprobs (a version from before "
                                      "it?); retry without it, or once the pool is upgraded")
+        p = gen.params_pb
+        if not resp.penalised and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            raise PreconditionFailed(f"target replica {replica} ignored the penalties (a version from before "
+                                     "them?); retry without them, or once the pool is upgraded")
 
     @staticmethod
     def _rewind_for_scores(gen: Generation) -> None:
@@ -461,7 +469,9 @@ class Generator:
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
             TextStream(self.tokenizer, req.stop),
             replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                                       min_p=p.min_p),
+                                       min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                       penalty_start=prompt_len),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
             top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs,

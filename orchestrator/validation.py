@@ -17,6 +17,7 @@ MAX_PROMPT_CHARS = 200_000
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKENS = 16
+MAX_REPETITION = 10.0
 
 
 def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit: int) -> GenerationRequest:
@@ -52,6 +53,12 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest(f"top_k must be >= 0 (0 = no truncation), got {pb.top_k}")
     if not math.isfinite(pb.min_p) or not 0 <= pb.min_p <= 1:
         raise InvalidRequest(f"min_p must lie in [0, 1] (0 = no truncation), got {pb.min_p}")
+    repetition = pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0
+    if not math.isfinite(repetition) or not 0 < repetition <= MAX_REPETITION:
+        raise InvalidRequest(f"repetition_penalty must lie in (0, {MAX_REPETITION:g}] (1 = off), got {repetition}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(pb, name)) or not -2 <= getattr(pb, name) <= 2:
+            raise InvalidRequest(f"{name} must lie in [-2, 2] (0 = off), got {getattr(pb, name)}")
     if len(pb.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in pb.stop):
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     gamma = None
@@ -68,7 +75,8 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest("processed_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
-                            seed=seed, min_p=float(pb.min_p))
+                            seed=seed, min_p=float(pb.min_p), repetition_penalty=float(repetition),
+                            presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty))
     return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
                              keep_session=pb.keep_session, seeded=pb.HasField("seed"),

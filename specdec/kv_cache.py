@@ -7,9 +7,14 @@ grows by doubling, so a session costs memory in proportion to its length.
 Keys and values of a layer share one buffer ([2 × kv_heads, capacity, head_dim]: keys,
 then values), in the order the fused q/k/v projection produces them, so that a forward
 writes a session's new keys and values with one copy per layer instead of two.
+
+Beside them, the token id at each position (`ids`, a numpy array: written by whoever feeds
+the cache with `write_ids`, in or out of torch's inference mode): what a repetition, presence
+or frequency penalty counts.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -22,6 +27,7 @@ class KVCache:
         self.length = 0
         cap = min(capacity, max_length)
         self.kv = torch.empty(layers, 2 * kv_heads, cap, head_dim, dtype=dtype, device=device)
+        self.ids = np.zeros(cap, dtype=np.int64)
 
     @property
     def capacity(self) -> int:
@@ -46,6 +52,9 @@ class KVCache:
         kv = torch.empty(layers, 2 * heads, cap, dim, dtype=self.dtype, device=self.device)
         kv[:, :, : self.length] = self.kv[:, :, : self.length]
         self.kv = kv
+        ids = np.zeros(cap, dtype=np.int64)
+        ids[: self.length] = self.ids[: self.length]
+        self.ids = ids
 
     def fork(self, length: int, capacity: int) -> "KVCache":
         """A new cache holding a copy of positions 0 .. length-1, with room for `capacity`."""
@@ -55,6 +64,7 @@ class KVCache:
         new = KVCache(layers, heads, dim, dtype=self.dtype, device=self.device,
                       capacity=max(capacity, length, 1), max_length=self.max_length)
         new.kv[:, :, :length] = self.kv[:, :, :length]
+        new.ids[:length] = self.ids[:length]
         new.length = length
         return new
 
@@ -63,6 +73,11 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
+
+    def write_ids(self, start: int, tokens: list[int]) -> None:
+        """Record the ids of the tokens fed at positions start .. start+n-1."""
+        self.reserve(start + len(tokens))
+        self.ids[start : start + len(tokens)] = tokens
 
     def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
         """kv: [2 × kv_heads, n, head_dim], keys then values, for positions start .. start+n-1."""

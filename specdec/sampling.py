@@ -48,6 +48,11 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = no truncation
     seed: int = 0
     min_p: float = 0.0  # 0 = no truncation; else drop tokens below min_p × the most likely one's probability
+    # penalties on the tokens before each position (specdec/penalties.py), before all of the above
+    repetition_penalty: float = 1.0  # 1 = off; over the whole context
+    presence_penalty: float = 0.0  # 0 = off; over the answer's tokens (positions ≥ penalty_start)
+    frequency_penalty: float = 0.0
+    penalty_start: int = 0  # where the answer starts in the session
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ from itertools import accumulate
 import torch
 
 from specdec import logprobs as lp
-from specdec import native, sampling
+from specdec import native, penalties, sampling
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.sessions import CacheRef, SessionTable
@@ -106,6 +106,7 @@ class TargetEngine:
             except SpecDecError as exc:
                 results[i] = exc
                 continue
+            cache.write_ids(job.ref.start, job.ref.tokens + job.draft_tokens)
             tokens = torch.tensor(job.ref.tokens + job.draft_tokens, dtype=torch.long)
             items.append(ForwardItem(cache, tokens, len(tokens) if job.fed_logprobs else len(job.draft_tokens) + 1))
             live.append(i)
@@ -115,8 +116,9 @@ class TargetEngine:
             rows = sum(len(it.tokens) for it in items)
             self.fed_tokens += rows
             logits, fed = self._split_fed_rows([jobs[i] for i in live], items, logits)
-            verdicts = self._decide([jobs[i] for i in live], logits)
-            scores = self._logprobs([jobs[i] for i in live], logits, verdicts)
+            laws = self._penalised([jobs[i] for i in live], items, logits)
+            verdicts = self._decide([jobs[i] for i in live], laws)
+            scores = self._logprobs([jobs[i] for i in live], logits, laws, verdicts)
             ms = (time.perf_counter() - t0) * 1000
             for i, item, (n, token, chances), score, fed_score in zip(live, items, verdicts, scores, fed):
                 committed = jobs[i].ref.start + len(jobs[i].ref.tokens)
@@ -141,6 +143,10 @@ class TargetEngine:
             if job.fed_logprobs:
                 rows = logits[at:at + fed - 1]
                 if job.processed:
+                    if penalties.penalises(job.params):
+                        whole, answer = penalties.row_counts(item.cache.ids, job.ref.start + 1, fed - 1,
+                                                             job.params.penalty_start, logits.shape[-1])
+                        rows = penalties.penalised(rows, whole, answer, job.params)
                     rows = lp.processed_rows(rows, [job.params] * len(rows))
                 chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:], dtype=torch.long),
                                                         job.top_logprobs)
@@ -150,10 +156,30 @@ class TargetEngine:
         return logits[torch.tensor(keep, device=logits.device)], out
 
     @staticmethod
-    def _logprobs(jobs: list[VerifyJob], logits: torch.Tensor, verdicts: list[tuple]) -> list[tuple]:
+    def _penalised(jobs: list[VerifyJob], items: list[ForwardItem], logits: torch.Tensor) -> torch.Tensor:
+        """The packed rows the verdicts read: `logits` itself where no job has a penalty,
+        else a copy whose penalised jobs' rows are penalised by the counts of each row's own
+        prefix (specdec/penalties.py: the committed tokens, then the draft tokens before it)."""
+        marked = [b for b, j in enumerate(jobs) if penalties.penalises(j.params)]
+        if not marked:
+            return logits
+        out, vocab = logits.clone(), logits.shape[-1]
+        ends = list(accumulate(len(j.draft_tokens) + 1 for j in jobs))
+        for b in marked:
+            job, rows = jobs[b], len(jobs[b].draft_tokens) + 1
+            first = job.ref.start + len(job.ref.tokens)  # the position the first row predicts
+            whole, answer = penalties.row_counts(items[b].cache.ids, first, rows, job.params.penalty_start, vocab)
+            out[ends[b] - rows:ends[b]] = penalties.penalised(logits[ends[b] - rows:ends[b]], whole, answer,
+                                                              job.params).to(out.dtype)
+        return out
+
+    @staticmethod
+    def _logprobs(jobs: list[VerifyJob], logits: torch.Tensor, laws: torch.Tensor, verdicts: list[tuple]
+                  ) -> list[tuple]:
         """The kept tokens' log-probabilities for the jobs that asked (specdec/logprobs.py),
         in one operator over their kept rows of the packed logits → per job (log-probabilities,
-        top ids, top log-probabilities), or (None, None, None)."""
+        top ids, top log-probabilities), or (None, None, None). Raw ones from `logits`,
+        processed ones from the rows the verdicts read (`laws`: penalties applied)."""
         out: list[tuple] = [(None, None, None)] * len(jobs)
         asking = [b for b, j in enumerate(jobs) if j.logprobs]
         if not asking:
@@ -167,12 +193,13 @@ class TargetEngine:
             rows.extend(range(starts[b], starts[b] + n + 1))
             tokens.extend(jobs[b].draft_tokens[:n] + [token])
             counts.append(n + 1)
-        picked = logits[torch.tensor(rows, device=logits.device)].float()  # a copy: rows of it may be replaced
-        laws = [(at, jobs[b].params) for b, count, at0 in zip(asking, counts, accumulate([0] + counts))
-                if jobs[b].processed for at in range(at0, at0 + count)]
-        if laws:  # the processed ones: their sampled laws' log-probabilities stand for their logits
-            at = torch.tensor([i for i, _ in laws], device=logits.device)
-            picked[at] = lp.processed_rows(picked[at], [law for _, law in laws])
+        index = torch.tensor(rows, device=logits.device)
+        picked = logits[index].float()  # a copy: rows of it may be replaced
+        chosen_laws = [(at, jobs[b].params) for b, count, at0 in zip(asking, counts, accumulate([0] + counts))
+                       if jobs[b].processed for at in range(at0, at0 + count)]
+        if chosen_laws:  # the processed ones: their sampled laws' log-probabilities stand for their logits
+            at = torch.tensor([i for i, _ in chosen_laws], device=logits.device)
+            picked[at] = lp.processed_rows(laws[index].float()[at], [law for _, law in chosen_laws])
         chosen, ids, values = lp.token_logprobs(picked, torch.tensor(tokens), top)
         at = 0
         for b, count in zip(asking, counts):

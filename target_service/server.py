@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from draft_service.server import params_from_pb
-from specdec import event_loop, sampling
+from specdec import event_loop, penalties, sampling
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
 from specdec.errors import InvalidRequest
 from specdec.frame_server import MuxMethod
@@ -60,6 +60,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         reply = verdict_to_pb(result)
         # say what was applied (a replica from before these fields leaves them unset)
         reply.min_p, reply.processed_logprobs = params.min_p, request.processed_logprobs
+        reply.penalised = penalties.penalises(params)
         return reply
 
     async def Verify(self, request, context):

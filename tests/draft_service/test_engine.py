@@ -192,3 +192,28 @@ def test_only_plain_sampled_jobs_take_the_native_draw(draft_model):
                   ProposeJob(ref, 4, SamplingParams(0.7, seed=3)),  # another temperature beside t = 1
                   ProposeJob(ref, 4, SamplingParams(0.0))):  # greedy beside sampled
         assert not engine._plain_sampled([plain, other])
+
+
+def test_a_penalised_proposal_drafts_from_the_penalised_law_counting_what_native_steps_fed(draft_model):
+    """A greedy proposal with penalties drafts the argmaxes of the penalised rows, counting
+    the session's tokens fed before by a plain (native) proposal too: its cache keeps the
+    ids of every position however it was fed."""
+    from tests.specdec.test_penalties import reference
+
+    engine = DraftEngine(ModelRunner(draft_model, linear_kernels="half"))
+    seed = [5, 9, 5, 9, 5, 9, 5, 9, 5]
+    loop = engine.propose([ProposeJob(CacheRef("u", 1, 0, seed), 8, SamplingParams(0.0))])[0].tokens
+    prompt = seed + loop + loop  # what the draft says next repeats itself: the penalty has work to do
+    plain = engine.propose([ProposeJob(CacheRef("s", 1, 0, prompt), 3, SamplingParams(0.0))])[0]
+    assert plain.cache_length == len(prompt) + 2  # the steps fed all but the last drafted token
+    context = prompt + plain.tokens
+    params = SamplingParams(0.0, repetition_penalty=1.8, presence_penalty=0.5, penalty_start=len(prompt))
+    got = engine.propose([ProposeJob(CacheRef("s", 1, len(context) - 1, context[-1:]), 5, params)])[0]
+    expected = list(context)
+    with torch.no_grad():
+        for _ in range(5):
+            row = draft_model(input_ids=torch.tensor([expected])).logits[0, -1].float()
+            expected.append(int(reference(row, expected, len(prompt), params).argmax()))
+    assert got.tokens == expected[len(context):]
+    unpenalised = engine.propose([ProposeJob(CacheRef("t", 1, 0, context), 5, SamplingParams(0.0))])[0]
+    assert unpenalised.tokens != got.tokens  # the penalty bites here

@@ -45,6 +45,10 @@ def any_request(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         r.min_p = draw(floats)
     if draw(st.booleans()):
+        r.repetition_penalty = draw(floats)
+    if draw(st.booleans()):
+        r.presence_penalty, r.frequency_penalty = draw(floats), draw(floats)
+    if draw(st.booleans()):
         r.seed = draw(st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
         r.num_speculative_tokens = draw(small_or_any(-2, MAX_GAMMA + 2))
@@ -64,6 +68,10 @@ def valid_request(draw) -> pb.GenerateRequest:
         r.top_p = draw(st.floats(0.05, 1.0))
     if draw(st.booleans()):
         r.min_p = draw(st.floats(0.0, 1.0, width=32))
+    if draw(st.booleans()):
+        r.repetition_penalty = draw(st.floats(0.5, 3.0, width=32))
+        r.presence_penalty = draw(st.floats(-2.0, 2.0, width=32))
+        r.frequency_penalty = draw(st.floats(-2.0, 2.0, width=32))
     if draw(st.booleans()):
         r.num_speculative_tokens = draw(st.integers(0, MAX_GAMMA))
     r.stop_token_ids.extend(draw(st.lists(st.integers(0, 300), max_size=3)))

@@ -99,6 +99,11 @@ def test_the_end_and_min_p_flags_reach_the_server(local_stack):
     processed = client("def f(", "--address", address, "--max-new-tokens", "6", "--processed-logprobs", "--json")
     assert processed.returncode == 0, processed.stderr
     assert [x.get("logprob", 0.0) for x in json.loads(processed.stdout)["logprobs"]] == [0.0] * 6  # greedy: one-hot
+    penalised = client("def f(", "--address", address, "--max-new-tokens", "6", "--repetition-penalty", "1.3",
+                       "--presence-penalty", "0.5", "--frequency-penalty", "0.2")
+    assert penalised.returncode == 0, penalised.stderr
+    refused = client("x", "--address", address, "--frequency-penalty", "3")
+    assert refused.returncode == 1 and "error: INVALID_ARGUMENT: frequency_penalty" in refused.stderr
     bad = client("x", "--address", address, "--min-p", "1.5")
     assert bad.returncode == 1 and "error: INVALID_ARGUMENT: min_p" in bad.stderr
 

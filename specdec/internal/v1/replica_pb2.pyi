@@ -7,18 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_start")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_START_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     min_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_start: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_start: _Optional[int] = ...) -> None: ...
 
 class DraftDistributions(_message.Message):
     __slots__ = ("vocab_size", "sparse", "dense_fp16", "sparse_ids_int32", "sparse_probs_fp16", "row_lengths")
@@ -105,7 +113,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fed_logprobs: _Optional[bool] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p", "processed_logprobs")
+    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p", "processed_logprobs", "penalised")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +130,7 @@ class VerifyResponse(_message.Message):
     FED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PENALISED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cache_length: int
@@ -138,7 +147,8 @@ class VerifyResponse(_message.Message):
     fed_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     min_p: float
     processed_logprobs: bool
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
+    penalised: bool
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ..., processed_logprobs: _Optional[bool] = ..., penalised: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
