@@ -89,3 +89,19 @@ def test_bad_penalties_are_refused_clearly(local_stack, fields, says):
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(request("x", 4, **fields), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=0.0), dict(temperature=1.0, seed=21, top_k=8)])
+def test_a_cut_penalised_answer_retried_with_its_id_is_the_uninterrupted_one(local_stack, fields):
+    """The retry counts the answer from where the first attempt's began (penalty_start),
+    not from where the retry takes over."""
+    from tests.e2e.test_request_ids import cut_after_first_chunk, retried, rid
+
+    stub = api(local_stack.orchestrator_address)
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.6, frequency_penalty=0.4)
+    whole = stub.Generate(request(PROMPT, 160, **fields, **penalties), timeout=120)
+    req = request(PROMPT, 160, **fields, **penalties, request_id=rid())
+    received = cut_after_first_chunk(stub, req)
+    again = retried(stub, req)
+    assert 0 < again.stats.resumed_tokens < len(again.token_ids)
+    assert list(again.token_ids) == list(whole.token_ids) and list(again.token_ids[:len(received)]) == received
