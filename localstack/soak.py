@@ -116,6 +116,8 @@ def request_for(i: int, max_new_tokens: int) -> tuple[str, pb.GenerateRequest]:
         req.request_id = uuid.uuid4().hex
     if kind in ("greedy", "seeded", "long"):  # every other one: their repeats' must match too
         req.logprobs = (i // len(KINDS)) % 2 == 0
+    if kind in ("greedy", "seeded", "long", "fixed_gamma", "target_only") and (i // len(KINDS)) % 4 >= 2:
+        req.repetition_penalty, req.presence_penalty = 1.2, 0.4  # every other pair of rounds penalised
     if kind == "seeded":
         req.temperature, req.seed = 0.8, i % SEEDS
     elif kind == "stop":
@@ -139,7 +141,8 @@ def consistency_key(req: pb.GenerateRequest) -> tuple | None:
     seed = req.seed if req.temperature > 0 else None
     if req.temperature > 0 and not req.HasField("seed"):
         return None
-    return req.prompt, req.max_new_tokens, req.temperature, seed, tuple(req.stop)
+    return (req.prompt, req.max_new_tokens, req.temperature, seed, tuple(req.stop), req.repetition_penalty,
+            req.presence_penalty)
 
 
 class Front:
