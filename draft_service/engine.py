@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import penalties, sampling
+from specdec import sampling, shaping
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.sessions import CacheRef, SessionTable
@@ -76,6 +76,7 @@ class DraftEngine:
                     raise InvalidRequest("a proposal needs at least one new committed token to feed")
                 if job.runner_ups and not job.params.greedy:
                     raise InvalidRequest("runner_ups are for greedy proposals only")
+                shaping.check(job.params, self.runner.vocab_size)
                 self.sessions.validate(job.ref, extra=job.gamma)
                 # forks copy before any job of the batch writes: all acquire first
                 caches[i] = (self.sessions.fork(job.ref, job.gamma) if job.fork
@@ -105,7 +106,7 @@ class DraftEngine:
             logits = self.runner.forward_packed(items)  # [live, V]
             self.forward_passes += 1
             self.fed_tokens += sum(len(it.tokens) for it in items)
-            logits = self._penalised([jobs[i] for i in live], [caches[i] for i in live], logits)
+            logits = self._shaped([jobs[i] for i in live], [caches[i] for i in live], logits)
             # the whole batch's step at once: one set of operators per sampling law, not per session
             params = [jobs[i].params for i in live]
             if all(p.greedy for p in params):
@@ -138,26 +139,26 @@ class DraftEngine:
         return results  # type: ignore[return-value]
 
     @staticmethod
-    def _penalised(jobs: list[ProposeJob], caches: list, logits: torch.Tensor) -> torch.Tensor:
-        """A step's logits, each penalised job's row penalised by the counts of its cache's
-        tokens (specdec/penalties.py): the draft drafts from the law the target verifies
-        against, so that a penalty does not turn into rejections."""
-        marked = [row for row, j in enumerate(jobs) if penalties.penalises(j.params)]
+    def _shaped(jobs: list[ProposeJob], caches: list, logits: torch.Tensor) -> torch.Tensor:
+        """A step's logits, each shaping job's row shaped at its cache's position by its
+        cache's tokens (specdec/shaping.py): the draft drafts from the law the target verifies
+        against, so that a bias, a ban or a penalty does not turn into rejections."""
+        marked = [row for row, j in enumerate(jobs) if shaping.shapes(j.params)]
         if not marked:
             return logits
         out = logits.clone()
         for row in marked:
-            cache, params = caches[row], jobs[row].params
-            whole, answer = penalties.row_counts(cache.ids, cache.length, 1, params.penalty_start, logits.shape[-1])
-            out[row:row + 1] = penalties.penalised(logits[row:row + 1], whole, answer, params).to(out.dtype)
+            cache = caches[row]
+            out[row:row + 1] = shaping.shaped(logits[row:row + 1], cache.ids, cache.length,
+                                              jobs[row].params).to(out.dtype)
         return out
 
     @staticmethod
     def _plain_greedy(jobs: list[ProposeJob]) -> bool:
         """Jobs whose steps need nothing but each row's argmax (greedy, no runner-ups, no
-        early stop, no penalty): the runner can draft them in one native call (ModelRunner.draft_greedy)."""
+        early stop, no shaping): the runner can draft them in one native call (ModelRunner.draft_greedy)."""
         return bool(jobs) and all(j.params.greedy and not j.runner_ups and j.stop_below <= 0
-                                  and not penalties.penalises(j.params) for j in jobs)
+                                  and not shaping.shapes(j.params) for j in jobs)
 
     def _plain_sampled(self, jobs: list[ProposeJob]) -> bool:
         """Jobs drawn at one temperature with nothing but the draw at each step (no top-k,
@@ -167,7 +168,7 @@ class DraftEngine:
         return (bool(jobs) and len({j.params.temperature for j in jobs}) == 1
                 and all(not j.params.greedy and (j.params.top_k <= 0 or j.params.top_k >= vocab)
                         and j.params.top_p >= 1.0 and j.params.min_p <= 0.0 and not j.guess_bonus
-                        and not penalties.penalises(j.params)
+                        and not shaping.shapes(j.params)
                         and j.stop_below <= 0 for j in jobs))
 
     def _draft_natively(self, jobs: list[ProposeJob], items: list[ForwardItem]):

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 from draft_service.engine import DraftEngine, ProposeJob
-from specdec import event_loop, sampling
+from specdec import event_loop
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
 from specdec.errors import InvalidRequest
 from specdec.frame_server import MuxMethod
@@ -16,28 +15,9 @@ from specdec.models import BUNDLED_DRAFT
 from specdec.quantize import CHOICES as QUANTIZE_CHOICES
 from specdec.replica import ReplicaHost, build_runner
 from specdec.wire import encode
-from specdec.wire_pb import ref_from_pb, to_pb
+from specdec.wire_pb import params_from_pb, ref_from_pb, to_pb
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
-
-
-def params_from_pb(pb: replica_pb2.SamplingParams) -> sampling.SamplingParams:
-    if not math.isfinite(pb.temperature) or pb.temperature < 0:
-        raise InvalidRequest(f"temperature must be a finite number >= 0, got {pb.temperature}")
-    if not (0 < pb.top_p <= 1):
-        raise InvalidRequest(f"top_p must lie in (0, 1], got {pb.top_p}")
-    if pb.top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0, got {pb.top_k}")
-    if not (0 <= pb.min_p <= 1):  # a NaN fails this too (and the checks below)
-        raise InvalidRequest(f"min_p must lie in [0, 1], got {pb.min_p}")
-    repetition = pb.repetition_penalty or 1.0  # unset (0): off
-    if not (0 < repetition <= 100) or not all(abs(x) <= 10 for x in (pb.presence_penalty, pb.frequency_penalty)):
-        raise InvalidRequest(f"penalties out of range: repetition {pb.repetition_penalty} (0, 100], presence "
-                             f"{pb.presence_penalty} and frequency {pb.frequency_penalty} [-10, 10]")
-    if pb.penalty_start < 0:
-        raise InvalidRequest(f"penalty_start must be >= 0, got {pb.penalty_start}")
-    return sampling.SamplingParams(pb.temperature, pb.top_k, pb.top_p, pb.seed, pb.min_p, repetition,
-                                   pb.presence_penalty, pb.frequency_penalty, pb.penalty_start)
 
 
 def distributions_pb(q16: torch.Tensor | None) -> replica_pb2.DraftDistributions | None:

@@ -42,7 +42,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                              top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs,
                              min_p=args.min_p, stop_token_ids=args.stop_token_id or [], ignore_eos=args.ignore_eos,
                              processed_logprobs=args.processed_logprobs, presence_penalty=args.presence_penalty,
-                             frequency_penalty=args.frequency_penalty)
+                             frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
+                             logit_bias=dict(args.logit_bias or []))
     req.temperature = args.temperature
     if args.top_p is not None:
         req.top_p = args.top_p
@@ -53,6 +54,15 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.gamma is not None:
         req.num_speculative_tokens = args.gamma
     return req
+
+
+def token_bias(text: str) -> tuple[int, float]:
+    """ID=BIAS, as --logit-bias takes it."""
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (say 50256=-100), got {text!r}") from None
 
 
 def format_stats(s: pb.GenerationStats) -> str:
@@ -82,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "answer by this, in [-2, 2] (default 0)")
     ap.add_argument("--frequency-penalty", type=float, default=0.0, help="lower them by this per occurrence, in "
                     "[-2, 2] (default 0)")
+    ap.add_argument("--logit-bias", type=token_bias, action="append", metavar="ID=BIAS",
+                    help="add BIAS, in [-100, 100], to token ID's logit (repeatable; -100 all but bans it)")
+    ap.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens cannot end the answer before "
+                    "this many tokens (default 0)")
     ap.add_argument("--seed", type=int, help="the sampling seed: the same request and seed give the same "
                     "tokens; unset = a random one, printed with the stats")
     ap.add_argument("--gamma", type=int, help="speculation length; unset = adaptive, 0 = target only")

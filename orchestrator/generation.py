@@ -33,7 +33,7 @@ from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
-from specdec import logprobs, metrics, rounds
+from specdec import logprobs, metrics, rounds, shaping
 from specdec.errors import (DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed, RequestSuperseded,
                             Unavailable)
 from specdec.internal.v1 import replica_pb2
@@ -41,7 +41,7 @@ from specdec.rounds import Ends
 from specdec.sampling import GREEDY_BELOW
 from specdec.session_store import AnswerScores, RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
-from specdec.wire_pb import ref_to_pb
+from specdec.wire_pb import params_to_pb, ref_to_pb
 
 __all__ = ["DRAFT_WAIT_S", "PREFILL_CHUNK", "STOP_BELOW_GREEDY", "STOP_BELOW_SAMPLED", "OVERLAP_FORKS",
            "OVERLAP_MIN_HIT", "OVERLAP_MIN_USE", "GenerationRequest", "Generator", "Outcome", "Stats"]
@@ -307,8 +307,8 @@ class Generator:
 
     @staticmethod
     def _check_law(gen: Generation, resp: replica_pb2.VerifyResponse) -> None:
-        """A target replica from before min_p, processed log-probabilities or penalties
-        ignores them (the fields are unknown to it): its reply, which echoes none, is refused
+        """A target replica from before min_p, processed log-probabilities or the logits'
+        shaping (bias, min_tokens, penalties) ignores them (the fields are unknown to it): its reply, which echoes none, is refused
         rather than used, since the tokens or their numbers would not be what the request
         asked for."""
         replica = gen.handle.target_replica
@@ -318,10 +318,9 @@ class Generator:
         if gen.processed_logprobs and not resp.processed_logprobs:
             raise PreconditionFailed(f"target replica {replica} ignored processed_logprobs (a version from before "
                                      "it?); retry without it, or once the pool is upgraded")
-        p = gen.params_pb
-        if not resp.penalised and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
-            raise PreconditionFailed(f"target replica {replica} ignored the penalties (a version from before "
-                                     "them?); retry without them, or once the pool is upgraded")
+        if gen.shapes and not resp.shaped:
+            raise PreconditionFailed(f"target replica {replica} ignored the logit bias, min_tokens or penalties (a "
+                                     "version from before them?); retry without them, or once the pool is upgraded")
 
     @staticmethod
     def _rewind_for_scores(gen: Generation) -> None:
@@ -463,19 +462,20 @@ class Generator:
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None,
                prompt_len: int) -> Generation:
-        p = req.params
+        ends = Ends(None if req.ignore_eos else self.eos_id, req.stop_token_ids)
+        # the law the replicas apply: the answer starts at prompt_len (what presence and
+        # frequency penalties count) and cannot end before min_tokens (its end tokens banned)
+        banned = tuple(sorted(ends.stop_ids | ({ends.eos_id} if ends.eos_id is not None else set())))
+        p = replace(req.params, penalty_start=prompt_len, banned_ids=banned if req.min_tokens else (),
+                    banned_until=prompt_len + req.min_tokens if req.min_tokens and banned else 0)
         return Generation(
             handle, deadline, SessionLinks(self.pools, self.calls), Stats(),
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
-            TextStream(self.tokenizer, req.stop),
-            replica_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                                       min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                       penalty_start=prompt_len),
+            TextStream(self.tokenizer, req.stop), params_to_pb(p),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs,
-            ends=Ends(None if req.ignore_eos else self.eos_id, req.stop_token_ids))
+            top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs, ends=ends,
+            shapes=shaping.shapes(p))
 
     @staticmethod
     def _score_prompt(gen: Generation, before: int, start: int) -> None:

@@ -39,6 +39,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the answer besides EOS
     ignore_eos: bool = False  # EOS does not end the answer
     processed_logprobs: bool = False  # log-probabilities of the sampled law, not the raw one
+    min_tokens: int = 0  # the answer's end tokens are banned before it has this many
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Generation:
     processed_logprobs: bool = False  # of the sampled law (every target call asks so)
     prompt_scores: "PromptScores | None" = None  # the prompt's log-probabilities, where asked
     ends: Ends = field(default_factory=Ends)  # the tokens that end this answer
+    shapes: bool = False  # the law shapes the logits (specdec/shaping.py): its replies must say so
     runner_ups: list[int] | None = None  # the draft's runner-up at each of this round's draft positions
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)

@@ -11,6 +11,7 @@ from orchestrator.generation import GenerationRequest
 from specdec.errors import InvalidRequest
 from specdec.logprobs import MAX_TOP
 from specdec.sampling import SamplingParams
+from specdec.shaping import MAX_BIAS, MAX_BIASED
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_PROMPT_CHARS = 200_000
@@ -59,6 +60,9 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(pb, name)) or not -2 <= getattr(pb, name) <= 2:
             raise InvalidRequest(f"{name} must lie in [-2, 2] (0 = off), got {getattr(pb, name)}")
+    bias = _logit_bias(pb, vocab_size)
+    if not 0 <= pb.min_tokens <= pb.max_new_tokens:
+        raise InvalidRequest(f"min_tokens must lie in 0..max_new_tokens ({pb.max_new_tokens}), got {pb.min_tokens}")
     if len(pb.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in pb.stop):
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     gamma = None
@@ -76,14 +80,26 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
                             seed=seed, min_p=float(pb.min_p), repetition_penalty=float(repetition),
-                            presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty))
+                            presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
+                            logit_bias=bias)
     return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
                              stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
                              keep_session=pb.keep_session, seeded=pb.HasField("seed"),
                              request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
                              logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
                              stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos,
-                             processed_logprobs=pb.processed_logprobs)
+                             processed_logprobs=pb.processed_logprobs, min_tokens=pb.min_tokens)
+
+
+def _logit_bias(pb, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if len(pb.logit_bias) > MAX_BIASED:
+        raise InvalidRequest(f"logit_bias takes at most {MAX_BIASED} tokens, got {len(pb.logit_bias)}")
+    for token, bias in pb.logit_bias.items():
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must lie in 0..{vocab_size - 1}; got {token}")
+        if not math.isfinite(bias) or abs(bias) > MAX_BIAS:
+            raise InvalidRequest(f"logit_bias values must lie in [-{MAX_BIAS:g}, {MAX_BIAS:g}]; got {bias} for {token}")
+    return tuple(sorted((t, float(b)) for t, b in pb.logit_bias.items()))
 
 
 def _stop_token_ids(pb, vocab_size: int) -> frozenset[int]:

@@ -53,6 +53,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0 = off; over the answer's tokens (positions ≥ penalty_start)
     frequency_penalty: float = 0.0
     penalty_start: int = 0  # where the answer starts in the session
+    # added to the logits before the penalties (specdec/shaping.py): (token, bias) pairs, sorted
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_ids: tuple[int, ...] = ()  # these tokens cannot come at positions < banned_until (min_tokens)
+    banned_until: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ from itertools import accumulate
 import torch
 
 from specdec import logprobs as lp
-from specdec import native, penalties, sampling
+from specdec import native, sampling, shaping
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
 from specdec.sessions import CacheRef, SessionTable
@@ -87,6 +87,7 @@ class TargetEngine:
         vocab = self.runner.vocab_size
         if any(t < 0 or t >= vocab for t in job.draft_tokens):
             raise InvalidRequest(f"draft token ids must lie in 0..{vocab - 1}")
+        shaping.check(job.params, vocab)
         if not 0 <= job.top_logprobs <= lp.MAX_TOP or job.top_logprobs and not (job.logprobs or job.fed_logprobs):
             raise InvalidRequest(f"top_logprobs must lie in 0..{lp.MAX_TOP}, and needs logprobs or fed_logprobs")
         self.sessions.validate(job.ref, extra=gamma)
@@ -116,7 +117,7 @@ class TargetEngine:
             rows = sum(len(it.tokens) for it in items)
             self.fed_tokens += rows
             logits, fed = self._split_fed_rows([jobs[i] for i in live], items, logits)
-            laws = self._penalised([jobs[i] for i in live], items, logits)
+            laws = self._shaped([jobs[i] for i in live], items, logits)
             verdicts = self._decide([jobs[i] for i in live], laws)
             scores = self._logprobs([jobs[i] for i in live], logits, laws, verdicts)
             ms = (time.perf_counter() - t0) * 1000
@@ -143,10 +144,8 @@ class TargetEngine:
             if job.fed_logprobs:
                 rows = logits[at:at + fed - 1]
                 if job.processed:
-                    if penalties.penalises(job.params):
-                        whole, answer = penalties.row_counts(item.cache.ids, job.ref.start + 1, fed - 1,
-                                                             job.params.penalty_start, logits.shape[-1])
-                        rows = penalties.penalised(rows, whole, answer, job.params)
+                    if shaping.shapes(job.params):
+                        rows = shaping.shaped(rows, item.cache.ids, job.ref.start + 1, job.params)
                     rows = lp.processed_rows(rows, [job.params] * len(rows))
                 chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:], dtype=torch.long),
                                                         job.top_logprobs)
@@ -156,21 +155,20 @@ class TargetEngine:
         return logits[torch.tensor(keep, device=logits.device)], out
 
     @staticmethod
-    def _penalised(jobs: list[VerifyJob], items: list[ForwardItem], logits: torch.Tensor) -> torch.Tensor:
-        """The packed rows the verdicts read: `logits` itself where no job has a penalty,
-        else a copy whose penalised jobs' rows are penalised by the counts of each row's own
-        prefix (specdec/penalties.py: the committed tokens, then the draft tokens before it)."""
-        marked = [b for b, j in enumerate(jobs) if penalties.penalises(j.params)]
+    def _shaped(jobs: list[VerifyJob], items: list[ForwardItem], logits: torch.Tensor) -> torch.Tensor:
+        """The packed rows the verdicts read: `logits` itself where no job shapes its logits,
+        else a copy whose shaping jobs' rows are shaped by each row's own position and prefix
+        (specdec/shaping.py: the committed tokens, then the draft tokens before it)."""
+        marked = [b for b, j in enumerate(jobs) if shaping.shapes(j.params)]
         if not marked:
             return logits
-        out, vocab = logits.clone(), logits.shape[-1]
+        out = logits.clone()
         ends = list(accumulate(len(j.draft_tokens) + 1 for j in jobs))
         for b in marked:
             job, rows = jobs[b], len(jobs[b].draft_tokens) + 1
             first = job.ref.start + len(job.ref.tokens)  # the position the first row predicts
-            whole, answer = penalties.row_counts(items[b].cache.ids, first, rows, job.params.penalty_start, vocab)
-            out[ends[b] - rows:ends[b]] = penalties.penalised(logits[ends[b] - rows:ends[b]], whole, answer,
-                                                              job.params).to(out.dtype)
+            out[ends[b] - rows:ends[b]] = shaping.shaped(logits[ends[b] - rows:ends[b]], items[b].cache.ids, first,
+                                                         job.params).to(out.dtype)
         return out
 
     @staticmethod

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from draft_service.server import params_from_pb
-from specdec import event_loop, penalties, sampling
+from specdec import event_loop, sampling, shaping
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
 from specdec.errors import InvalidRequest
 from specdec.frame_server import MuxMethod
@@ -12,7 +11,7 @@ from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
 from specdec.wire import WireFormatError, decode
-from specdec.wire_pb import from_pb, ref_from_pb
+from specdec.wire_pb import from_pb, params_from_pb, ref_from_pb
 from target_service.engine import TargetEngine, Verdict, VerifyJob
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Target"].full_name
@@ -60,7 +59,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         reply = verdict_to_pb(result)
         # say what was applied (a replica from before these fields leaves them unset)
         reply.min_p, reply.processed_logprobs = params.min_p, request.processed_logprobs
-        reply.penalised = penalties.penalises(params)
+        reply.shaped = shaping.shapes(params)
         return reply
 
     async def Verify(self, request, context):

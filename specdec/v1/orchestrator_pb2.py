@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\"\xd7\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12#\n\x16num_speculative_tokens\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x14\n\x0ckeep_session\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nignore_eos\x18\x12 \x01(\x08\x12\x1a\n\x12processed_logprobs\x18\x13 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x14 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x15 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x16 \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penalty\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x81\x01\n\nStageTimes\x12\x10\n\x08\x64raft_ms\x18\x01 \x01(\x01\x12\x11\n\tverify_ms\x18\x02 \x01(\x01\x12\x10\n\x08redis_ms\x18\x03 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\"\xc9\x03\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1e\n\x16tokens_per_target_pass\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x05\x12%\n\x05times\x18\t \x01(\x0b\x32\x16.specdec.v1.StageTimes\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rdraft_replica\x18\x0b \x01(\t\x12\x16\n\x0etarget_replica\x18\x0c \x01(\t\x12\x12\n\nmean_gamma\x18\r \x01(\x01\x12\x19\n\x11replica_failovers\x18\x0e \x01(\x05\x12\x12\n\nwire_bytes\x18\x0f \x01(\x03\x12\x14\n\x0coverlap_hits\x18\x10 \x01(\x05\x12\x17\n\x0frounds_rejected\x18\x11 \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x12 \x01(\x05\"\x83\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x89\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x12\x45ndSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xf7\x01\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseB\x16Z\x14specdec/v1;specdecv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\"\xdd\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12#\n\x16num_speculative_tokens\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x14\n\x0ckeep_session\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nignore_eos\x18\x12 \x01(\x08\x12\x1a\n\x12processed_logprobs\x18\x13 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x14 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x15 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x16 \x01(\x02\x12>\n\nlogit_bias\x18\x17 \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penalty\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x81\x01\n\nStageTimes\x12\x10\n\x08\x64raft_ms\x18\x01 \x01(\x01\x12\x11\n\tverify_ms\x18\x02 \x01(\x01\x12\x10\n\x08redis_ms\x18\x03 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\"\xc9\x03\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1e\n\x16tokens_per_target_pass\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x05\x12%\n\x05times\x18\t \x01(\x0b\x32\x16.specdec.v1.StageTimes\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rdraft_replica\x18\x0b \x01(\t\x12\x16\n\x0etarget_replica\x18\x0c \x01(\t\x12\x12\n\nmean_gamma\x18\r \x01(\x01\x12\x19\n\x11replica_failovers\x18\x0e \x01(\x05\x12\x12\n\nwire_bytes\x18\x0f \x01(\x03\x12\x14\n\x0coverlap_hits\x18\x10 \x01(\x05\x12\x17\n\x0frounds_rejected\x18\x11 \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x12 \x01(\x05\"\x83\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x89\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x12\x45ndSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xf7\x01\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseB\x16Z\x14specdec/v1;specdecv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,26 +32,30 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.orchestrator_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z\024specdec/v1;specdecv1'
-  _globals['_FINISHREASON']._serialized_start=1988
-  _globals['_FINISHREASON']._serialized_end=2133
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2122
+  _globals['_FINISHREASON']._serialized_end=2267
   _globals['_GENERATEREQUEST']._serialized_start=46
-  _globals['_GENERATEREQUEST']._serialized_end=645
-  _globals['_TOKENLOGPROB']._serialized_start=647
-  _globals['_TOKENLOGPROB']._serialized_end=733
-  _globals['_TOPLOGPROB']._serialized_start=735
-  _globals['_TOPLOGPROB']._serialized_end=782
-  _globals['_STAGETIMES']._serialized_start=785
-  _globals['_STAGETIMES']._serialized_end=914
-  _globals['_GENERATIONSTATS']._serialized_start=917
-  _globals['_GENERATIONSTATS']._serialized_end=1374
-  _globals['_GENERATERESPONSE']._serialized_start=1377
-  _globals['_GENERATERESPONSE']._serialized_end=1636
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1639
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1904
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1906
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1945
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=1947
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=1985
-  _globals['_ORCHESTRATOR']._serialized_start=2136
-  _globals['_ORCHESTRATOR']._serialized_end=2383
+  _globals['_GENERATEREQUEST']._serialized_end=779
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=646
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=694
+  _globals['_TOKENLOGPROB']._serialized_start=781
+  _globals['_TOKENLOGPROB']._serialized_end=867
+  _globals['_TOPLOGPROB']._serialized_start=869
+  _globals['_TOPLOGPROB']._serialized_end=916
+  _globals['_STAGETIMES']._serialized_start=919
+  _globals['_STAGETIMES']._serialized_end=1048
+  _globals['_GENERATIONSTATS']._serialized_start=1051
+  _globals['_GENERATIONSTATS']._serialized_end=1508
+  _globals['_GENERATERESPONSE']._serialized_start=1511
+  _globals['_GENERATERESPONSE']._serialized_end=1770
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1773
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2038
+  _globals['_ENDSESSIONREQUEST']._serialized_start=2040
+  _globals['_ENDSESSIONREQUEST']._serialized_end=2079
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=2081
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=2119
+  _globals['_ORCHESTRATOR']._serialized_start=2270
+  _globals['_ORCHESTRATOR']._serialized_end=2517
 # @@protoc_insertion_point(module_scope)

@@ -48,6 +48,8 @@ def any_request(draw) -> pb.GenerateRequest:
         r.repetition_penalty = draw(floats)
     if draw(st.booleans()):
         r.presence_penalty, r.frequency_penalty = draw(floats), draw(floats)
+    r.logit_bias.update(draw(st.dictionaries(small_or_any(-5, 5000), floats, max_size=5)))
+    r.min_tokens = draw(small_or_any(-2, MAX_NEW_TOKENS + 2))
     if draw(st.booleans()):
         r.seed = draw(st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
@@ -72,6 +74,8 @@ def valid_request(draw) -> pb.GenerateRequest:
         r.repetition_penalty = draw(st.floats(0.5, 3.0, width=32))
         r.presence_penalty = draw(st.floats(-2.0, 2.0, width=32))
         r.frequency_penalty = draw(st.floats(-2.0, 2.0, width=32))
+    r.logit_bias.update(draw(st.dictionaries(st.integers(0, 4000), st.floats(-100, 100, width=32), max_size=4)))
+    r.min_tokens = draw(st.integers(0, r.max_new_tokens))
     if draw(st.booleans()):
         r.num_speculative_tokens = draw(st.integers(0, MAX_GAMMA))
     r.stop_token_ids.extend(draw(st.lists(st.integers(0, 300), max_size=3)))
@@ -147,6 +151,8 @@ def check_one(state, case) -> None:
             assert all(len(item.top) == payload.top_logprobs for item in last.logprobs)
             assert len(last.prompt_logprobs) == (last.stats.prompt_tokens - 1 if payload.prompt_logprobs else 0)
             assert not set(payload.stop_token_ids) & set(last.token_ids[:-1]), "the answer went on past a stop token"
+            if last.finish_reason == pb.FINISH_REASON_EOS:  # EOS cannot come before min_tokens
+                assert len(last.token_ids) > payload.min_tokens, "the answer ended before min_tokens"
         if wants_kept(payload):
             state["kept"].add(last.session_id)
     state["calls"][code.name] = state["calls"].get(code.name, 0) + 1

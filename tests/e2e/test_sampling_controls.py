@@ -79,3 +79,51 @@ def test_ignore_eos_goes_on_past_it_to_max_new_tokens(local_stack, target_model,
     named = stub.Generate(request(ENDS_AT_ONCE, 16, 0.0, ignore_eos=True, stop_token_ids=[tokenizer.eos_token_id]),
                           timeout=120)
     assert list(named.token_ids) == [tokenizer.eos_token_id] and named.finish_reason == pb.FINISH_REASON_STOP
+
+
+def biased_greedy(model, ids: list[int], n: int, bias: dict[int, float], banned: set[int], until: int,
+                  eos: int | None) -> list[int]:
+    """The target alone, one full forward a token: bias added, `banned` out before position
+    `until`, the argmax, up to EOS."""
+    out = list(ids)
+    with torch.no_grad():
+        while len(out) < len(ids) + n:
+            row = model(input_ids=torch.tensor([out])).logits[0, -1].float()
+            for token, b in bias.items():
+                row[token] += b
+            if len(out) < until:
+                row[list(banned)] = float("-inf")
+            out.append(int(row.argmax()))
+            if out[-1] == eos:
+                break
+    return out[len(ids):]
+
+
+def test_a_logit_bias_steers_the_answer_as_it_steers_the_target_alone(local_stack, target_model, tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    prompt = "class Stack:\n    def push(self, item):\n"
+    ids = tokenizer(prompt)["input_ids"]
+    full = list(stub.Generate(request(prompt, 32, 0.0), timeout=120).token_ids)
+    bias = {full[3]: -100.0, full[10]: -100.0, 13: 4.0}  # two of its tokens all but banned, one favoured
+    expected = biased_greedy(target_model, ids, 32, bias, set(), 0, tokenizer.eos_token_id)
+    assert expected != full and full[3] not in expected
+    for gamma in (None, 4, 0):
+        got = stub.Generate(request(prompt, 32, 0.0, gamma=gamma, logit_bias=bias), timeout=120)
+        assert list(got.token_ids) == expected, gamma
+    sampled = stub.Generate(request(prompt, 32, 1.0, seed=3, logit_bias={full[0]: -100.0}), timeout=120)
+    assert full[0] not in sampled.token_ids
+
+
+def test_min_tokens_keeps_the_answer_from_ending_before_it(local_stack, target_model, tokenizer):
+    stub = api(local_stack.orchestrator_address)
+    ids = tokenizer(ENDS_AT_ONCE)["input_ids"]
+    eos = tokenizer.eos_token_id
+    for gamma in (None, 4, 0):
+        got = stub.Generate(request(ENDS_AT_ONCE, 40, 0.0, gamma=gamma, min_tokens=6), timeout=120)
+        expected = biased_greedy(target_model, ids, 40, {}, {eos}, len(ids) + 6, eos)
+        assert list(got.token_ids) == expected, gamma
+        assert len(got.token_ids) >= 6 and eos not in got.token_ids[:6]
+    # a stop token is held off as EOS is
+    first = biased_greedy(target_model, ids, 8, {}, {eos}, len(ids) + 8, eos)
+    held = stub.Generate(request(ENDS_AT_ONCE, 12, 0.0, min_tokens=3, stop_token_ids=[first[1]]), timeout=120)
+    assert first[1] not in held.token_ids[:3] and eos not in held.token_ids[:3]

@@ -16,6 +16,8 @@ def _req(**kw):
     for k, v in kw.items():
         if isinstance(v, list):
             getattr(r, k).extend(v)
+        elif isinstance(v, dict):
+            getattr(r, k).update(v)
         else:
             setattr(r, k, v)
     return r
@@ -43,6 +45,12 @@ CASES = [
     ("stop token out of range", _req(stop_token_ids=[5, 10**6]), INVALID, "stop_token_ids"),
     ("negative stop token", _req(stop_token_ids=[-1]), INVALID, "stop_token_ids"),
     ("too many stop tokens", _req(stop_token_ids=list(range(17))), INVALID, "stop_token_ids"),
+    ("biased token out of range", _req(logit_bias={10**6: 1.0}), INVALID, "logit_bias token ids"),
+    ("bias beyond 100", _req(logit_bias={5: 101.0}), INVALID, "logit_bias values"),
+    ("NaN bias", _req(logit_bias={5: float("nan")}), INVALID, "logit_bias values"),
+    ("too many biased tokens", _req(logit_bias={t: 1.0 for t in range(301)}), INVALID, "at most 300"),
+    ("min_tokens past max_new_tokens", _req(min_tokens=9), INVALID, "min_tokens"),
+    ("negative min_tokens", _req(min_tokens=-1), INVALID, "min_tokens"),
     ("negative top_k", _req(top_k=-1), INVALID, "top_k"),
     ("gamma negative", _req(num_speculative_tokens=-1), INVALID, "num_speculative_tokens"),
     ("gamma too large", _req(num_speculative_tokens=99), INVALID, "num_speculative_tokens"),

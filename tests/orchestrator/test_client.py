@@ -102,6 +102,12 @@ def test_the_end_and_min_p_flags_reach_the_server(local_stack):
     penalised = client("def f(", "--address", address, "--max-new-tokens", "6", "--repetition-penalty", "1.3",
                        "--presence-penalty", "0.5", "--frequency-penalty", "0.2")
     assert penalised.returncode == 0, penalised.stderr
+    steered = client("class Stack:\n", "--address", address, "--max-new-tokens", "12", "--json",
+                     "--logit-bias", f"{tokens[0]}=-100", "--min-tokens", "12")
+    assert steered.returncode == 0, steered.stderr
+    assert json.loads(steered.stdout)["token_ids"][0] != tokens[0]
+    bad_bias = client("x", "--address", address, "--logit-bias", "7")
+    assert bad_bias.returncode == 2 and "expected ID=BIAS" in bad_bias.stderr
     refused = client("x", "--address", address, "--frequency-penalty", "3")
     assert refused.returncode == 1 and "error: INVALID_ARGUMENT: frequency_penalty" in refused.stderr
     bad = client("x", "--address", address, "--min-p", "1.5")

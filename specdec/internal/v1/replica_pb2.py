@@ -24,53 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specdec/internal/v1/replica.proto\x12\x13specdec.internal.v1\"\xc8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x15\n\rpenalty_start\x18\t \x01(\x05\"\x96\x01\n\x12\x44raftDistributions\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06sparse\x18\x02 \x01(\x08\x12\x12\n\ndense_fp16\x18\x03 \x01(\x0c\x12\x18\n\x10sparse_ids_int32\x18\x04 \x01(\x0c\x12\x19\n\x11sparse_probs_fp16\x18\x05 \x01(\x0c\x12\x13\n\x0brow_lengths\x18\x06 \x03(\x05\"\\\n\x08\x43\x61\x63heRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"\xd4\x01\n\x0eProposeRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\x12\x13\n\x0bguess_bonus\x18\x04 \x01(\x08\x12\x12\n\nstop_below\x18\x05 \x01(\x02\x12\x12\n\nrunner_ups\x18\x06 \x01(\x08\x12\x0c\n\x04\x66ork\x18\x07 \x01(\x08\"\xb9\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12>\n\rdistributions\x18\x02 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x12\n\nrunner_ups\x18\x06 \x03(\x05\"\xa4\x02\n\rVerifyRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12>\n\rdistributions\x18\x03 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x14\n\x0c\x66\x65\x64_logprobs\x18\x07 \x01(\x08\x12\x1a\n\x12processed_logprobs\x18\x08 \x01(\x08\"\xfa\x02\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x10\n\x08resynced\x18\x06 \x01(\x08\x12\x14\n\x0c\x62\x61tch_tokens\x18\x07 \x01(\x05\x12\x14\n\x0ckeep_chances\x18\x08 \x03(\x02\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12\x15\n\rtop_token_ids\x18\n \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x0b \x03(\x02\x12\x14\n\x0c\x66\x65\x64_logprobs\x18\x0c \x03(\x02\x12\x19\n\x11\x66\x65\x64_top_token_ids\x18\r \x03(\x05\x12\x18\n\x10\x66\x65\x64_top_logprobs\x18\x0e \x03(\x02\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x1a\n\x12processed_logprobs\x18\x10 \x01(\x08\x12\x11\n\tpenalised\x18\x11 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xe4\x01\n\nLoadReport\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08sessions\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\"_\n\x0bProposeCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x34\n\x07request\x18\x02 \x01(\x0b\x32#.specdec.internal.v1.ProposeRequest\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\"?\n\x0cProposeCalls\x12/\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32 .specdec.internal.v1.ProposeCall\"r\n\rProposeAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x36\n\x08response\x18\x02 \x01(\x0b\x32$.specdec.internal.v1.ProposeResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"E\n\x0eProposeAnswers\x12\x33\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\".specdec.internal.v1.ProposeAnswer\"]\n\nVerifyCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".specdec.internal.v1.VerifyRequest\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\"=\n\x0bVerifyCalls\x12.\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1f.specdec.internal.v1.VerifyCall\"p\n\x0cVerifyAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32#.specdec.internal.v1.VerifyResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"C\n\rVerifyAnswers\x12\x32\n\x07\x61nswers\x18\x01 \x03(\x0b\x32!.specdec.internal.v1.VerifyAnswer2\xb8\x03\n\x05\x44raft\x12T\n\x07Propose\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse\x12^\n\rProposeStream\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse(\x01\x30\x01\x12X\n\nProposeMux\x12!.specdec.internal.v1.ProposeCalls\x1a#.specdec.internal.v1.ProposeAnswers(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReport2\xb0\x03\n\x06Target\x12Q\n\x06Verify\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse\x12[\n\x0cVerifyStream\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse(\x01\x30\x01\x12U\n\tVerifyMux\x12 .specdec.internal.v1.VerifyCalls\x1a\".specdec.internal.v1.VerifyAnswers(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specdec/internal/v1/replica.proto\x12\x13specdec.internal.v1\"\xec\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x15\n\rpenalty_start\x18\t \x01(\x05\x12\x46\n\nlogit_bias\x18\n \x03(\x0b\x32\x32.specdec.internal.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nbanned_ids\x18\x0b \x03(\x05\x12\x14\n\x0c\x62\x61nned_until\x18\x0c \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x96\x01\n\x12\x44raftDistributions\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0e\n\x06sparse\x18\x02 \x01(\x08\x12\x12\n\ndense_fp16\x18\x03 \x01(\x0c\x12\x18\n\x10sparse_ids_int32\x18\x04 \x01(\x0c\x12\x19\n\x11sparse_probs_fp16\x18\x05 \x01(\x0c\x12\x13\n\x0brow_lengths\x18\x06 \x03(\x05\"\\\n\x08\x43\x61\x63heRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x05\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"\xd4\x01\n\x0eProposeRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\x12\x13\n\x0bguess_bonus\x18\x04 \x01(\x08\x12\x12\n\nstop_below\x18\x05 \x01(\x02\x12\x12\n\nrunner_ups\x18\x06 \x01(\x08\x12\x0c\n\x04\x66ork\x18\x07 \x01(\x08\"\xb9\x01\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12>\n\rdistributions\x18\x02 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x12\n\nrunner_ups\x18\x06 \x03(\x05\"\xa4\x02\n\rVerifyRequest\x12,\n\x05\x63\x61\x63he\x18\x01 \x01(\x0b\x32\x1d.specdec.internal.v1.CacheRef\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12>\n\rdistributions\x18\x03 \x01(\x0b\x32\'.specdec.internal.v1.DraftDistributions\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.specdec.internal.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x14\n\x0c\x66\x65\x64_logprobs\x18\x07 \x01(\x08\x12\x1a\n\x12processed_logprobs\x18\x08 \x01(\x08\"\xf7\x02\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x10\n\x08resynced\x18\x06 \x01(\x08\x12\x14\n\x0c\x62\x61tch_tokens\x18\x07 \x01(\x05\x12\x14\n\x0ckeep_chances\x18\x08 \x03(\x02\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12\x15\n\rtop_token_ids\x18\n \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x0b \x03(\x02\x12\x14\n\x0c\x66\x65\x64_logprobs\x18\x0c \x03(\x02\x12\x19\n\x11\x66\x65\x64_top_token_ids\x18\r \x03(\x05\x12\x18\n\x10\x66\x65\x64_top_logprobs\x18\x0e \x03(\x02\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x1a\n\x12processed_logprobs\x18\x10 \x01(\x08\x12\x0e\n\x06shaped\x18\x11 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xe4\x01\n\nLoadReport\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08sessions\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\"_\n\x0bProposeCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x34\n\x07request\x18\x02 \x01(\x0b\x32#.specdec.internal.v1.ProposeRequest\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\"?\n\x0cProposeCalls\x12/\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32 .specdec.internal.v1.ProposeCall\"r\n\rProposeAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x36\n\x08response\x18\x02 \x01(\x0b\x32$.specdec.internal.v1.ProposeResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"E\n\x0eProposeAnswers\x12\x33\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\".specdec.internal.v1.ProposeAnswer\"]\n\nVerifyCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".specdec.internal.v1.VerifyRequest\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\"=\n\x0bVerifyCalls\x12.\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1f.specdec.internal.v1.VerifyCall\"p\n\x0cVerifyAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32#.specdec.internal.v1.VerifyResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"C\n\rVerifyAnswers\x12\x32\n\x07\x61nswers\x18\x01 \x03(\x0b\x32!.specdec.internal.v1.VerifyAnswer2\xb8\x03\n\x05\x44raft\x12T\n\x07Propose\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse\x12^\n\rProposeStream\x12#.specdec.internal.v1.ProposeRequest\x1a$.specdec.internal.v1.ProposeResponse(\x01\x30\x01\x12X\n\nProposeMux\x12!.specdec.internal.v1.ProposeCalls\x1a#.specdec.internal.v1.ProposeAnswers(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReport2\xb0\x03\n\x06Target\x12Q\n\x06Verify\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse\x12[\n\x0cVerifyStream\x12\".specdec.internal.v1.VerifyRequest\x1a#.specdec.internal.v1.VerifyResponse(\x01\x30\x01\x12U\n\tVerifyMux\x12 .specdec.internal.v1.VerifyCalls\x1a\".specdec.internal.v1.VerifyAnswers(\x01\x30\x01\x12T\n\x07Release\x12#.specdec.internal.v1.ReleaseRequest\x1a$.specdec.internal.v1.ReleaseResponse\x12I\n\x04Load\x12 .specdec.internal.v1.LoadRequest\x1a\x1f.specdec.internal.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.internal.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=59
-  _globals['_SAMPLINGPARAMS']._serialized_end=259
-  _globals['_DRAFTDISTRIBUTIONS']._serialized_start=262
-  _globals['_DRAFTDISTRIBUTIONS']._serialized_end=412
-  _globals['_CACHEREF']._serialized_start=414
-  _globals['_CACHEREF']._serialized_end=506
-  _globals['_PROPOSEREQUEST']._serialized_start=509
-  _globals['_PROPOSEREQUEST']._serialized_end=721
-  _globals['_PROPOSERESPONSE']._serialized_start=724
-  _globals['_PROPOSERESPONSE']._serialized_end=909
-  _globals['_VERIFYREQUEST']._serialized_start=912
-  _globals['_VERIFYREQUEST']._serialized_end=1204
-  _globals['_VERIFYRESPONSE']._serialized_start=1207
-  _globals['_VERIFYRESPONSE']._serialized_end=1585
-  _globals['_RELEASEREQUEST']._serialized_start=1587
-  _globals['_RELEASEREQUEST']._serialized_end=1623
-  _globals['_RELEASERESPONSE']._serialized_start=1625
-  _globals['_RELEASERESPONSE']._serialized_end=1660
-  _globals['_LOADREQUEST']._serialized_start=1662
-  _globals['_LOADREQUEST']._serialized_end=1675
-  _globals['_LOADREPORT']._serialized_start=1678
-  _globals['_LOADREPORT']._serialized_end=1906
-  _globals['_PROPOSECALL']._serialized_start=1908
-  _globals['_PROPOSECALL']._serialized_end=2003
-  _globals['_PROPOSECALLS']._serialized_start=2005
-  _globals['_PROPOSECALLS']._serialized_end=2068
-  _globals['_PROPOSEANSWER']._serialized_start=2070
-  _globals['_PROPOSEANSWER']._serialized_end=2184
-  _globals['_PROPOSEANSWERS']._serialized_start=2186
-  _globals['_PROPOSEANSWERS']._serialized_end=2255
-  _globals['_VERIFYCALL']._serialized_start=2257
-  _globals['_VERIFYCALL']._serialized_end=2350
-  _globals['_VERIFYCALLS']._serialized_start=2352
-  _globals['_VERIFYCALLS']._serialized_end=2413
-  _globals['_VERIFYANSWER']._serialized_start=2415
-  _globals['_VERIFYANSWER']._serialized_end=2527
-  _globals['_VERIFYANSWERS']._serialized_start=2529
-  _globals['_VERIFYANSWERS']._serialized_end=2596
-  _globals['_DRAFT']._serialized_start=2599
-  _globals['_DRAFT']._serialized_end=3039
-  _globals['_TARGET']._serialized_start=3042
-  _globals['_TARGET']._serialized_end=3474
+  _globals['_SAMPLINGPARAMS']._serialized_end=423
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=375
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=423
+  _globals['_DRAFTDISTRIBUTIONS']._serialized_start=426
+  _globals['_DRAFTDISTRIBUTIONS']._serialized_end=576
+  _globals['_CACHEREF']._serialized_start=578
+  _globals['_CACHEREF']._serialized_end=670
+  _globals['_PROPOSEREQUEST']._serialized_start=673
+  _globals['_PROPOSEREQUEST']._serialized_end=885
+  _globals['_PROPOSERESPONSE']._serialized_start=888
+  _globals['_PROPOSERESPONSE']._serialized_end=1073
+  _globals['_VERIFYREQUEST']._serialized_start=1076
+  _globals['_VERIFYREQUEST']._serialized_end=1368
+  _globals['_VERIFYRESPONSE']._serialized_start=1371
+  _globals['_VERIFYRESPONSE']._serialized_end=1746
+  _globals['_RELEASEREQUEST']._serialized_start=1748
+  _globals['_RELEASEREQUEST']._serialized_end=1784
+  _globals['_RELEASERESPONSE']._serialized_start=1786
+  _globals['_RELEASERESPONSE']._serialized_end=1821
+  _globals['_LOADREQUEST']._serialized_start=1823
+  _globals['_LOADREQUEST']._serialized_end=1836
+  _globals['_LOADREPORT']._serialized_start=1839
+  _globals['_LOADREPORT']._serialized_end=2067
+  _globals['_PROPOSECALL']._serialized_start=2069
+  _globals['_PROPOSECALL']._serialized_end=2164
+  _globals['_PROPOSECALLS']._serialized_start=2166
+  _globals['_PROPOSECALLS']._serialized_end=2229
+  _globals['_PROPOSEANSWER']._serialized_start=2231
+  _globals['_PROPOSEANSWER']._serialized_end=2345
+  _globals['_PROPOSEANSWERS']._serialized_start=2347
+  _globals['_PROPOSEANSWERS']._serialized_end=2416
+  _globals['_VERIFYCALL']._serialized_start=2418
+  _globals['_VERIFYCALL']._serialized_end=2511
+  _globals['_VERIFYCALLS']._serialized_start=2513
+  _globals['_VERIFYCALLS']._serialized_end=2574
+  _globals['_VERIFYANSWER']._serialized_start=2576
+  _globals['_VERIFYANSWER']._serialized_end=2688
+  _globals['_VERIFYANSWERS']._serialized_start=2690
+  _globals['_VERIFYANSWERS']._serialized_end=2757
+  _globals['_DRAFT']._serialized_start=2760
+  _globals['_DRAFT']._serialized_end=3200
+  _globals['_TARGET']._serialized_start=3203
+  _globals['_TARGET']._serialized_end=3635
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_start")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_start", "logit_bias", "banned_ids", "banned_until")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +24,9 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PENALTY_START_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_IDS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_UNTIL_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -26,7 +36,10 @@ class SamplingParams(_message.Message):
     presence_penalty: float
     frequency_penalty: float
     penalty_start: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_start: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    banned_ids: _containers.RepeatedScalarFieldContainer[int]
+    banned_until: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_start: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., banned_ids: _Optional[_Iterable[int]] = ..., banned_until: _Optional[int] = ...) -> None: ...
 
 class DraftDistributions(_message.Message):
     __slots__ = ("vocab_size", "sparse", "dense_fp16", "sparse_ids_int32", "sparse_probs_fp16", "row_lengths")
@@ -113,7 +126,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, cache: _Optional[_Union[CacheRef, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Union[DraftDistributions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., fed_logprobs: _Optional[bool] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p", "processed_logprobs", "penalised")
+    __slots__ = ("accepted", "next_token", "cache_length", "compute_ms", "batch_size", "resynced", "batch_tokens", "keep_chances", "logprobs", "top_token_ids", "top_logprobs", "fed_logprobs", "fed_top_token_ids", "fed_top_logprobs", "min_p", "processed_logprobs", "shaped")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -130,7 +143,7 @@ class VerifyResponse(_message.Message):
     FED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PENALISED_FIELD_NUMBER: _ClassVar[int]
+    SHAPED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cache_length: int
@@ -147,8 +160,8 @@ class VerifyResponse(_message.Message):
     fed_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     min_p: float
     processed_logprobs: bool
-    penalised: bool
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ..., processed_logprobs: _Optional[bool] = ..., penalised: _Optional[bool] = ...) -> None: ...
+    shaped: bool
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., resynced: _Optional[bool] = ..., batch_tokens: _Optional[int] = ..., keep_chances: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., fed_logprobs: _Optional[_Iterable[float]] = ..., fed_top_token_ids: _Optional[_Iterable[int]] = ..., fed_top_logprobs: _Optional[_Iterable[float]] = ..., min_p: _Optional[float] = ..., processed_logprobs: _Optional[bool] = ..., shaped: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

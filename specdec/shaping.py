@@ -1,0 +1,55 @@
+"""What a request does to the target's logits before temperature, top-k, top-p and min-p:
+a logit bias, tokens banned until the answer is long enough (min_tokens), and the
+repetition, presence and frequency penalties (specdec/penalties.py), in that order (as vLLM
+applies its logits processors, then its penalties).
+
+Each is a law per position that depends on the position and the tokens before it only,
+so the acceptance rule stays exact as long as each row of a verification is shaped by its
+own position and prefix (`shaped`); the draft shapes its steps the same way, so that a
+request's shaping does not turn into rejections.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec import penalties
+from specdec.errors import InvalidRequest
+from specdec.sampling import SamplingParams
+
+
+MAX_BIAS = 100.0  # as OpenAI's logit_bias
+MAX_BIASED = 300  # tokens a request may bias
+
+
+def check(params: SamplingParams, vocab: int) -> None:
+    """InvalidRequest where the shaping names tokens the model does not have."""
+    named = [t for t, _ in params.logit_bias] + list(params.banned_ids)
+    bad = [t for t in named if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"logit_bias and banned token ids must lie in 0..{vocab - 1}; got {bad[0]}")
+
+
+def shapes(params: SamplingParams) -> bool:
+    """Whether the request shapes its logits at all (most do not: their rows go untouched)."""
+    return bool(params.logit_bias) or (bool(params.banned_ids) and params.banned_until > 0) \
+        or penalties.penalises(params)
+
+
+def shaped(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams
+           ) -> torch.Tensor:
+    """[rows, V] logits of one session, the rows predicting positions first .. first+rows-1,
+    its token at each earlier position in `ids` → the shaped rows (float32, a new tensor)."""
+    out = logits.float().clone()
+    rows, vocab = out.shape
+    if params.logit_bias:
+        at = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+        out[:, at] += torch.tensor([b for _, b in params.logit_bias], device=out.device)
+    if params.banned_ids and first < params.banned_until:
+        early = min(rows, params.banned_until - first)  # the rows before the answer is long enough
+        banned = torch.tensor(params.banned_ids, device=out.device)
+        out[:early, banned] = float("-inf")
+    if penalties.penalises(params):
+        whole, answer = penalties.row_counts(ids, first, rows, params.penalty_start, vocab)
+        out = penalties.penalised(out, whole, answer, params)
+    return out
