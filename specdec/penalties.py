@@ -3,7 +3,7 @@ position, applied to a verification's logits row by row.
 
 A penalised law is still one law per position, a function of the prefix only, so the
 acceptance rule stays exact as long as each row is penalised by the counts of *its* prefix:
-the committed tokens, then the draft tokens before it (`row_counts`). Semantics as common
+the committed tokens, then the draft tokens before it (`penalise`). Semantics as common
 servers have them:
 - repetition (transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's): over every token of
   the context, prompt included, a seen token's logit is divided by θ where positive and
@@ -25,39 +25,42 @@ def penalises(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def row_counts(ids: torch.Tensor | np.ndarray, first: int, rows: int, start: int, vocab: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: a session's token at each position (KVCache.ids, the fed and draft tokens
-    written); the rows that predict positions first .. first+rows-1 → (the count of each
-    token in each row's prefix, [rows, V]; the same counting only positions ≥ `start`, the
-    answer's) as float32. Row r has seen ids[:first + r]: one bincount of the common prefix,
-    then a running sum over the row's own steps."""
-    ids = torch.as_tensor(ids[:first + rows - 1])  # a view of the cache's array, no copy
-    whole = torch.bincount(ids[:first], minlength=vocab).float()
-    answer = torch.bincount(ids[min(start, first):first], minlength=vocab).float()
-    steps = torch.zeros(rows, vocab)
-    if rows > 1:
-        at = torch.arange(1, rows)
-        steps[at, ids[first:first + rows - 1]] = 1.0
-        counted = (first + at - 1 >= start).float()  # a step in the answer counts there too
-        answer_steps = torch.zeros(rows, vocab)
-        answer_steps[at, ids[first:first + rows - 1]] = counted
-        return whole + steps.cumsum(0), answer + answer_steps.cumsum(0)
-    return whole + steps, answer + steps
+def penalise(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams
+             ) -> torch.Tensor:
+    """[rows, V] logits of one session, the rows predicting positions first .. first+rows-1,
+    its token at each earlier position in `ids` (KVCache.ids: the fed and draft tokens
+    written) → the penalised logits (float32, a new tensor). Row r has seen ids[:first + r].
 
-
-def penalised(logits: torch.Tensor, whole: torch.Tensor, answer: torch.Tensor, params: SamplingParams
-              ) -> torch.Tensor:
-    """[n, V] logits of one session's rows, with `row_counts`' counts → the penalised logits
-    (float32, a new tensor)."""
+    Only the tokens seen are touched: their counts per row are a [rows, K] table over the K
+    distinct tokens of the prefix (one bincount of the common prefix, then a running sum over
+    the rows' own steps), and the logits change in those K columns only."""
+    rows = logits.shape[0]
     out = logits.float().clone()
-    whole, answer = whole.to(out.device), answer.to(out.device)
+    seq = np.asarray(ids[:first + rows - 1])
+    if len(seq) == 0:
+        return out
+    uniq, inv = np.unique(seq, return_inverse=True)
+    in_answer = (np.arange(len(seq)) >= params.penalty_start).astype(np.float64)
+    whole = _running_counts(inv, np.ones(len(seq)), first, rows, len(uniq))
+    answer = _running_counts(inv, in_answer, first, rows, len(uniq))
+    cols = torch.from_numpy(uniq).to(out.device)
+    seen = out[:, cols].cpu().numpy()  # [rows, K]: a few small numpy operations, not torch's dispatch each
     if params.repetition_penalty != 1.0:
-        theta = params.repetition_penalty
-        hit = whole > 0
-        out = torch.where(hit, torch.where(out > 0, out / theta, out * theta), out)
-    if params.frequency_penalty != 0.0:
-        out = out - params.frequency_penalty * answer
-    if params.presence_penalty != 0.0:
-        out = out - params.presence_penalty * (answer > 0).float()
+        theta = np.float32(params.repetition_penalty)
+        seen = np.where(whole > 0, np.where(seen > 0, seen / theta, seen * theta), seen)
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        seen = seen - np.float32(params.frequency_penalty) * answer - np.float32(params.presence_penalty) * (answer > 0)
+    out[:, cols] = torch.from_numpy(seen.astype(np.float32)).to(out.device)
     return out
+
+
+def _running_counts(inv: np.ndarray, weights: np.ndarray, first: int, rows: int, k: int) -> np.ndarray:
+    """[rows, k]: row r counts, with `weights`, the tokens (as indices into the distinct
+    ones) at positions < first + r."""
+    table = np.empty((rows, k))
+    table[0] = np.bincount(inv[:first], weights=weights[:first], minlength=k)
+    if rows > 1:
+        steps = np.zeros((rows - 1, k))
+        steps[np.arange(rows - 1), inv[first:first + rows - 1]] = weights[first:first + rows - 1]
+        table[1:] = table[0] + steps.cumsum(0)
+    return table

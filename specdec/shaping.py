@@ -41,7 +41,7 @@ def shaped(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, par
     """[rows, V] logits of one session, the rows predicting positions first .. first+rows-1,
     its token at each earlier position in `ids` → the shaped rows (float32, a new tensor)."""
     out = logits.float().clone()
-    rows, vocab = out.shape
+    rows = out.shape[0]
     if params.logit_bias:
         at = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
         out[:, at] += torch.tensor([b for _, b in params.logit_bias], device=out.device)
@@ -50,6 +50,5 @@ def shaped(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, par
         banned = torch.tensor(params.banned_ids, device=out.device)
         out[:early, banned] = float("-inf")
     if penalties.penalises(params):
-        whole, answer = penalties.row_counts(ids, first, rows, params.penalty_start, vocab)
-        out = penalties.penalised(out, whole, answer, params)
+        out = penalties.penalise(out, ids, first, params)
     return out

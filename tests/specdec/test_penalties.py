@@ -1,9 +1,11 @@
 """Repetition, presence and frequency penalties (specdec/penalties.py), row by row against
 transformers' repetition processor and a direct count of each row's own prefix."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from specdec.penalties import penalised, penalises, row_counts
+from specdec.penalties import penalise, penalises
 from specdec.sampling import SamplingParams
 
 V = 40
@@ -32,12 +34,12 @@ def test_each_row_is_penalised_by_the_counts_of_its_own_prefix(params, start):
     ids = torch.randint(0, 8, (14,), generator=g)  # few distinct tokens: many repeats
     first, rows = 9, 5  # rows predict positions 9 .. 13, the last four tokens being their steps
     logits = torch.randn(rows, V, generator=g) * 3
-    whole, answer = row_counts(ids, first, rows, start, V)
-    got = torch.stack([penalised(logits[r:r + 1], whole[r:r + 1], answer[r:r + 1], params)[0] for r in range(rows)])
+    params = replace(params, penalty_start=start)
+    got = penalise(logits, ids, first, params)
     for r in range(rows):
         prefix = ids[:first + r].tolist()
         assert torch.allclose(got[r], reference(logits[r], prefix, start, params), atol=1e-6), r
-    assert torch.allclose(penalised(logits, whole, answer, params), got)
+        assert torch.equal(penalise(logits[r:r + 1], ids, first + r, params)[0], got[r])  # alone, as the draft
 
 
 def test_repetition_is_transformers_processor():
@@ -45,9 +47,8 @@ def test_repetition_is_transformers_processor():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, V, (20,), generator=g)
     logits = torch.randn(1, V, generator=g) * 2
-    whole, answer = row_counts(ids, 20, 1, 0, V)
     theirs = RepetitionPenaltyLogitsProcessor(1.4)(ids[None], logits.clone())
-    assert torch.allclose(penalised(logits, whole, answer, SamplingParams(repetition_penalty=1.4)), theirs)
+    assert torch.allclose(penalise(logits, ids, 20, SamplingParams(repetition_penalty=1.4)), theirs)
 
 
 def test_only_set_penalties_count():
