@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-logprobs", action="store_true", help="ask for the prompt tokens' log-probabilities "
                     "too (each given what comes before it)")
     ap.add_argument("--processed-logprobs", action="store_true", help="log-probabilities of the law the tokens "
-                    "are drawn from (after temperature, top-k, top-p, min-p), not the raw one (implies --logprobs "
+                    "are drawn from (after bias, min-tokens, penalties, temperature, top-k, top-p, min-p), not the raw one (implies --logprobs "
                     "unless --prompt-logprobs)")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K",
                     help="with them, the K (0..20) most likely tokens at each position (implies --logprobs "

@@ -140,10 +140,7 @@ class Generator:
                 raise InvalidRequest(f"the prompt ({len(handle.committed)} tokens with the session's history) "
                                      f"leaves no room in the model context of {self.max_len} tokens")
             handle.params = {"temperature": req.params.temperature, "top_k": req.params.top_k,
-                             "top_p": req.params.top_p, "seed": req.params.seed, "min_p": req.params.min_p,
-                             "repetition_penalty": req.params.repetition_penalty,
-                             "presence_penalty": req.params.presence_penalty,
-                             "frequency_penalty": req.params.frequency_penalty}
+                             "top_p": req.params.top_p, "seed": req.params.seed}
             handle.policy = ""  # the previous request's
             if req.request_id or handle.requests:  # saved with the prompt in one write: a retry finds both or neither
                 marks = request_ids.record(marks, req.request_id, req.fingerprint, before, len(handle.committed))
@@ -308,9 +305,9 @@ class Generator:
     @staticmethod
     def _check_law(gen: Generation, resp: replica_pb2.VerifyResponse) -> None:
         """A target replica from before min_p, processed log-probabilities or the logits'
-        shaping (bias, min_tokens, penalties) ignores them (the fields are unknown to it): its reply, which echoes none, is refused
-        rather than used, since the tokens or their numbers would not be what the request
-        asked for."""
+        shaping (bias, min_tokens, penalties) ignores them (the fields are unknown to it):
+        its reply, which echoes none, is refused rather than used, since the tokens or their
+        numbers would not be what the request asked for."""
         replica = gen.handle.target_replica
         if resp.min_p != gen.params_pb.min_p and gen.params_pb.temperature >= GREEDY_BELOW:
             raise PreconditionFailed(f"target replica {replica} ignored min_p (a version from before it?); "
@@ -465,9 +462,9 @@ class Generator:
         ends = Ends(None if req.ignore_eos else self.eos_id, req.stop_token_ids)
         # the law the replicas apply: the answer starts at prompt_len (what presence and
         # frequency penalties count) and cannot end before min_tokens (its end tokens banned)
-        banned = tuple(sorted(ends.stop_ids | ({ends.eos_id} if ends.eos_id is not None else set())))
-        p = replace(req.params, penalty_start=prompt_len, banned_ids=banned if req.min_tokens else (),
-                    banned_until=prompt_len + req.min_tokens if req.min_tokens and banned else 0)
+        banned = tuple(sorted(ends.tokens)) if req.min_tokens else ()
+        p = replace(req.params, penalty_start=prompt_len, banned_ids=banned,
+                    banned_until=prompt_len + req.min_tokens if banned else 0)
         return Generation(
             handle, deadline, SessionLinks(self.pools, self.calls), Stats(),
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
@@ -530,8 +527,8 @@ class Generator:
 
     def _apply(self, gen: Generation, m: int, gamma: int, draft_tokens: list[int],
                verdict) -> tuple[list[int], str | None, str]:
-        """The verdict's tokens, cut after EOS or a stop token or where a stop string ends, committed to the
-        handle → (the new tokens, their text or None, the finish reason so far). Only stop
+        """The verdict's tokens, cut after EOS or a stop token or where a stop string ends,
+        committed to the handle → (the new tokens, their text or None, the finish reason so far). Only stop
         strings make the text decide the tokens; without them the text is decoded after the
         next round's call has left (`_finish_round`), and None is returned for it."""
         new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)

@@ -6,7 +6,7 @@ whatever the request sampled with, and the same as a forward of the target alone
 text gives (tests/specdec/test_logprobs.py, tests/e2e/test_logprobs.py). The verification's
 forward has computed those logits already; only the requesting sessions' kept rows are read.
 Or, where a request asks for them processed, from the law its tokens were sampled from (after
-temperature, top-k, top-p and min-p; −inf outside its support; greedy: 0 for the argmax), as
+its logits' shaping, specdec/shaping.py, then temperature, top-k, top-p and min-p; −inf outside its support; greedy: 0 for the argmax), as
 a policy-gradient trainer needs the sampler's own probabilities (`processed_rows`).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ position, applied to a verification's logits row by row.
 
 A penalised law is still one law per position, a function of the prefix only, so the
 acceptance rule stays exact as long as each row is penalised by the counts of *its* prefix:
-the committed tokens, then the draft tokens before it (`penalise`). Semantics as common
+the committed tokens, then the draft tokens before it (`penalise_`). Semantics as common
 servers have them:
 - repetition (transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's): over every token of
   the context, prompt included, a seen token's logit is divided by θ where positive and
@@ -25,20 +25,18 @@ def penalises(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def penalise(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams
-             ) -> torch.Tensor:
-    """[rows, V] logits of one session, the rows predicting positions first .. first+rows-1,
-    its token at each earlier position in `ids` (KVCache.ids: the fed and draft tokens
-    written) → the penalised logits (float32, a new tensor). Row r has seen ids[:first + r].
+def penalise_(out: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams) -> None:
+    """Penalise, in place, [rows, V] float logits of one session, the rows predicting
+    positions first .. first+rows-1, its token at each earlier position in `ids` (KVCache.ids:
+    the fed and draft tokens written). Row r has seen ids[:first + r].
 
     Only the tokens seen are touched: their counts per row are a [rows, K] table over the K
     distinct tokens of the prefix (one bincount of the common prefix, then a running sum over
     the rows' own steps), and the logits change in those K columns only."""
-    rows = logits.shape[0]
-    out = logits.float().clone()
+    rows = out.shape[0]
     seq = np.asarray(ids[:first + rows - 1])
     if len(seq) == 0:
-        return out
+        return
     uniq, inv = np.unique(seq, return_inverse=True)
     in_answer = (np.arange(len(seq)) >= params.penalty_start).astype(np.float64)
     whole = _running_counts(inv, np.ones(len(seq)), first, rows, len(uniq))
@@ -50,8 +48,7 @@ def penalise(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, p
         seen = np.where(whole > 0, np.where(seen > 0, seen / theta, seen * theta), seen)
     if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
         seen = seen - np.float32(params.frequency_penalty) * answer - np.float32(params.presence_penalty) * (answer > 0)
-    out[:, cols] = torch.from_numpy(seen.astype(np.float32)).to(out.device)
-    return out
+    out[:, cols] = torch.from_numpy(seen.astype(np.float32)).to(out.device, out.dtype)
 
 
 def _running_counts(inv: np.ndarray, weights: np.ndarray, first: int, rows: int, k: int) -> np.ndarray:

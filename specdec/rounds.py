@@ -25,6 +25,11 @@ class Ends:
     eos_id: int | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
+    @property
+    def tokens(self) -> frozenset[int]:
+        """Every token that ends the answer (what min_tokens holds off)."""
+        return self.stop_ids | ({self.eos_id} if self.eos_id is not None else frozenset())
+
     def reason(self, token: int) -> str | None:
         """→ "eos" or "stop" where `token` ends the answer, else None."""
         if token == self.eos_id:

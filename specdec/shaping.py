@@ -50,5 +50,5 @@ def shaped(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, par
         banned = torch.tensor(params.banned_ids, device=out.device)
         out[:early, banned] = float("-inf")
     if penalties.penalises(params):
-        out = penalties.penalise(out, ids, first, params)
+        penalties.penalise_(out, ids, first, params)
     return out

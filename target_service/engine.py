@@ -107,8 +107,9 @@ class TargetEngine:
             except SpecDecError as exc:
                 results[i] = exc
                 continue
-            cache.write_ids(job.ref.start, job.ref.tokens + job.draft_tokens)
-            tokens = torch.tensor(job.ref.tokens + job.draft_tokens, dtype=torch.long)
+            fed = job.ref.tokens + job.draft_tokens
+            cache.write_ids(job.ref.start, fed)
+            tokens = torch.tensor(fed, dtype=torch.long)
             items.append(ForwardItem(cache, tokens, len(tokens) if job.fed_logprobs else len(job.draft_tokens) + 1))
             live.append(i)
         if live:
@@ -197,7 +198,7 @@ class TargetEngine:
                        if jobs[b].processed for at in range(at0, at0 + count)]
         if chosen_laws:  # the processed ones: their sampled laws' log-probabilities stand for their logits
             at = torch.tensor([i for i, _ in chosen_laws], device=logits.device)
-            picked[at] = lp.processed_rows(laws[index].float()[at], [law for _, law in chosen_laws])
+            picked[at] = lp.processed_rows(laws[index[at]].float(), [law for _, law in chosen_laws])
         chosen, ids, values = lp.token_logprobs(picked, torch.tensor(tokens), top)
         at = 0
         for b, count in zip(asking, counts):

@@ -5,10 +5,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specdec.penalties import penalise, penalises
+from specdec.penalties import penalise_, penalises
 from specdec.sampling import SamplingParams
 
 V = 40
+
+
+def penalise(logits: torch.Tensor, ids, first: int, params: SamplingParams) -> torch.Tensor:
+    """penalise_ on a copy."""
+    out = logits.clone()
+    penalise_(out, ids, first, params)
+    return out
 
 
 def reference(logits_row: torch.Tensor, prefix: list[int], start: int, params: SamplingParams) -> torch.Tensor:

@@ -15,3 +15,8 @@ def test_an_ignored_eos_ends_nothing_unless_it_is_a_stop_token():
     assert Ends(stop_ids=frozenset({7})).cut([2, 5, 2]) == ([2, 5, 2], None)
     assert Ends(stop_ids=frozenset({2})).cut([5, 2, 6]) == ([5, 2], "stop")
     assert Ends().cut([0, 1, 2]) == ([0, 1, 2], None)
+
+
+def test_the_end_tokens_are_eos_and_the_stop_tokens():
+    assert Ends(eos_id=2, stop_ids=frozenset({7})).tokens == {2, 7}
+    assert Ends(stop_ids=frozenset({7})).tokens == {7} and Ends().tokens == frozenset()
