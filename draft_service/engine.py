@@ -156,31 +156,34 @@ class DraftEngine:
     @staticmethod
     def _plain_greedy(jobs: list[ProposeJob]) -> bool:
         """Jobs whose steps need nothing but each row's argmax (greedy, no runner-ups, no
-        early stop, no shaping): the runner can draft them in one native call (ModelRunner.draft_greedy)."""
+        early stop; shaped only where the kernels shape): the runner can draft them in one
+        native call (ModelRunner.draft_greedy)."""
         return bool(jobs) and all(j.params.greedy and not j.runner_ups and j.stop_below <= 0
-                                  and not shaping.shapes(j.params) for j in jobs)
+                                  and _natively_shaped(j.params) for j in jobs)
 
     def _plain_sampled(self, jobs: list[ProposeJob]) -> bool:
         """Jobs drawn at one temperature with nothing but the draw at each step (no top-k,
-        top-p or min-p to cut the law, no bonus guess, no early stop): the runner can draft them in
-        one native call (ModelRunner.draft_sampled)."""
+        top-p or min-p to cut the law, no bonus guess, no early stop; shaped only where the
+        kernels shape): the runner can draft them in one native call (ModelRunner.draft_sampled)."""
         vocab = self.runner.vocab_size
         return (bool(jobs) and len({j.params.temperature for j in jobs}) == 1
                 and all(not j.params.greedy and (j.params.top_k <= 0 or j.params.top_k >= vocab)
                         and j.params.top_p >= 1.0 and j.params.min_p <= 0.0 and not j.guess_bonus
-                        and not shaping.shapes(j.params)
+                        and _natively_shaped(j.params)
                         and j.stop_below <= 0 for j in jobs))
 
     def _draft_natively(self, jobs: list[ProposeJob], items: list[ForwardItem]):
         """→ (tokens, q or None) per job from one native call of every step, where the jobs
         are plain greedy or plain sampled ones and the runner's forward is native; else None
         (the step loop drafts them). A sampled job's step s draws with its draft-stream
-        uniform at position (its cache's length after that step's feed), as the loop does."""
+        uniform at position (its cache's length after that step's feed), as the loop does;
+        a shaping job's steps are shaped in the call, as the loop's `_shaped` shapes them."""
         if not self.native_drafts:
             return None
         gammas = [j.gamma for j in jobs]
+        shapings = [shaping.native_shaping(j.params) if shaping.shapes(j.params) else None for j in jobs]
         if self._plain_greedy(jobs):
-            tokens = self.runner.draft_greedy(items, gammas)
+            tokens = self.runner.draft_greedy(items, gammas, shapings)
             return None if tokens is None else (tokens, [None] * len(jobs))
         if not self._plain_sampled(jobs):
             return None
@@ -188,7 +191,8 @@ class DraftEngine:
         firsts = [it.cache.length + len(it.tokens) for it in items]
         uniforms = sampling.uniforms_at([j.params.seed for j in jobs for _ in range(G)],
                                         [p + s for p in firsts for s in range(G)], sampling.STREAM_DRAFT)
-        return self.runner.draft_sampled(items, gammas, jobs[0].params.temperature, uniforms.view(len(jobs), G))
+        return self.runner.draft_sampled(items, gammas, jobs[0].params.temperature, uniforms.view(len(jobs), G),
+                                          shapings)
 
     @staticmethod
     def _goes_on(job: ProposeJob, step: int, top: float | None) -> bool:
@@ -207,3 +211,8 @@ class DraftEngine:
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)
+
+
+def _natively_shaped(params) -> bool:
+    """Whether a native draft can take the job's shaping: none, or the kernels' own."""
+    return not shaping.shapes(params) or shaping.native_shaping(params) is not None

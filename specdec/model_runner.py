@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -364,46 +365,65 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def draft_greedy(self, items: list[ForwardItem], gammas: list[int]) -> list[list[int]] | None:
+    def draft_greedy(self, items: list[ForwardItem], gammas: list[int], shapings: list | None = None
+                     ) -> list[list[int]] | None:
         """Greedy drafting of gammas[i] tokens per item, every step in one native call
         (PackedModel.draft_greedy): the tokens `forward` and each row's argmax, fed back step
         by step, would give, without the Python of each step between. The caches then hold
         their items' tokens and all but the last drafted token, as a step-by-step loop
-        leaves them. None where the whole forward is not native for every row count the
-        steps take (then the caller steps itself)."""
-        tokens = self._draft_natively(items, gammas, lambda *args: self._whole.draft_greedy(*args))
+        leaves them. `shapings`: per item the kernels' Shaping of its logits
+        (specdec.shaping.native_shaping) or None, each step's row shaped by the item's cache
+        ids, its fed tokens and the tokens drafted before it. None where the whole forward is
+        not native for every row count the steps take (then the caller steps itself)."""
+        tokens = self._draft_natively(items, gammas, shapings, lambda *args: self._whole.draft_greedy(*args))
         return None if tokens is None else [row[:g] for row, g in zip(tokens.tolist(), gammas)]
 
     @torch.inference_mode()
     def draft_sampled(self, items: list[ForwardItem], gammas: list[int], temperature: float,
-                      uniforms: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]] | None:
+                      uniforms: torch.Tensor, shapings: list | None = None
+                      ) -> tuple[list[list[int]], list[torch.Tensor]] | None:
         """Sampled drafting at one temperature (no top-k, no top-p), every step in one native
-        call (PackedModel.draft_sampled): per step the logits ÷ temperature, softmax, rounded
-        to fp16 (wire.quantize), and item i's token drawn from those at uniforms[i, step]
-        (sampling.sample_from), as DraftEngine's step loop draws, to the bit. → (tokens, q
-        [γ_i, vocab] float32) per item, caches as `draft_greedy` leaves them; None where the
-        whole forward is not native (then the caller steps itself)."""
-        out = self._draft_natively(items, gammas, lambda *args: self._whole.draft_sampled(
-            *args, float(temperature), uniforms))
+        call (PackedModel.draft_sampled): per step the logits (shaped as `draft_greedy`
+        shapes them) ÷ temperature, softmax, rounded to fp16 (wire.quantize), and item i's
+        token drawn from those at uniforms[i, step] (sampling.sample_from), as DraftEngine's
+        step loop draws, to the bit. → (tokens, q [γ_i, vocab] float32) per item, caches as
+        `draft_greedy` leaves them; None where the whole forward is not native (then the
+        caller steps itself)."""
+        out = self._draft_natively(items, gammas, shapings, lambda *args: self._whole.draft_sampled(
+            *args[:5], float(temperature), uniforms, *args[5:]))
         if out is None:
             return None
         tokens, q = out
         return [row[:g] for row, g in zip(tokens.tolist(), gammas)], [q[i, :g] for i, g in enumerate(gammas)]
 
-    def _draft_natively(self, items: list[ForwardItem], gammas: list[int], call):
-        """`call`(ids, caches, starts, lengths, gammas) for a native draft of every step, with
-        room reserved in the caches and their lengths set after; None where the whole
-        forward is not native for every row count the steps take."""
+    def _draft_natively(self, items: list[ForwardItem], gammas: list[int], shapings: list | None, call):
+        """`call`(ids, caches, starts, lengths, gammas, shapings, prefixes) for a native draft
+        of every step, with room reserved in the caches and their lengths set after; None
+        where the whole forward is not native for every row count the steps take."""
         lengths = [int(it.tokens.shape[0]) for it in items]
         if not items or not self._whole_takes(sum(lengths), *range(1, len(items) + 1)):
             return None
         starts = [it.cache.length for it in items]
         for it, s, n, g in zip(items, starts, lengths, gammas):
             it.cache.reserve(s + n + g - 1)
-        out = call(_packed_ids(items), [it.cache.kv for it in items], starts, lengths, gammas)
+        laws, prefixes = self._shapings(items, starts, shapings)
+        out = call(_packed_ids(items), [it.cache.kv for it in items], starts, lengths, gammas, laws, prefixes)
         for it, s, n, g in zip(items, starts, lengths, gammas):
             it.cache.length = s + n + g - 1
         return out
+
+    @staticmethod
+    def _shapings(items: list[ForwardItem], starts: list[int], shapings: list | None) -> tuple[list, list]:
+        """The native draft's shapings and prefixes: none where no item shapes, else one of
+        each per item (an empty Shaping and prefix for an item that does not)."""
+        if not shapings or all(s is None for s in shapings):
+            return [], []
+        kernels = native.module()
+        empty = torch.empty(0, dtype=torch.long)
+        prefixes = [empty if law is None else
+                    torch.from_numpy(np.concatenate([it.cache.ids[:s], it.tokens.numpy()]).astype(np.int64, copy=False))
+                    for it, s, law in zip(items, starts, shapings)]
+        return [kernels.Shaping() if law is None else law for law in shapings], prefixes
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))

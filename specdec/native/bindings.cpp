@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_fp16_rows", &decode_fp16_rows, "dense fp16 draft distributions as normalised float64 rows, as specdec.wire.decode");
   m.def("encode_fp16_rows", &encode_fp16_rows,
         "quantised float32 draft distributions as dense fp16 bytes and each row's count of positive values, as specdec.wire.encode");
+  bind_shaping(m);
   bind_packed_model(m);
   m.def("isa", [] { return specdec::isa_name(specdec::current_isa()); }, "the instruction set in use");
   m.def("best_isa", [] { return specdec::isa_name(specdec::detected_isa()); }, "the best instruction set of this CPU");

@@ -20,6 +20,20 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
                             std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
                             int64_t layer, double scale, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// shape_rows.cpp: one request's logit shaping (specdec.shaping), and its application to a
+// session's rows, row r predicting position first + r after ids[0 .. first + r)
+struct Shaping {
+  std::vector<int64_t> bias_ids;
+  std::vector<float> bias_values;
+  std::vector<int64_t> banned;  // at positions < banned_until
+  int64_t banned_until = 0;
+  float repetition = 1.0f, presence = 0.0f, frequency = 0.0f;
+  int64_t penalty_start = 0;  // where the answer starts (presence and frequency count from here)
+  bool active() const;
+  bool penalises() const;
+};
+void shape_logit_rows(float* rows, int64_t n_rows, int64_t vocab, const int64_t* ids, int64_t first, const Shaping& s);
+void bind_shaping(pybind11::module& m);
 // packed_model.cpp: the PackedModel class
 void bind_packed_model(pybind11::module& m);
 // sample_rows.cpp

@@ -97,7 +97,8 @@ class PackedModel {
   std::tuple<torch::Tensor, torch::Tensor> draft_sampled(torch::Tensor ids, std::vector<torch::Tensor> caches,
                                                          std::vector<int64_t> starts, std::vector<int64_t> lengths,
                                                          std::vector<int64_t> gammas, double temperature,
-                                                         torch::Tensor uniforms) {
+                                                         torch::Tensor uniforms, std::vector<Shaping> shapings,
+                                                         std::vector<torch::Tensor> prefixes) {
     TORCH_CHECK(temperature > 0, "PackedModel.draft_sampled: the temperature must be positive");
     const int64_t B = static_cast<int64_t>(caches.size()), G = longest_draft(gammas, B, "draft_sampled");
     TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) >= G &&
@@ -109,7 +110,7 @@ class PackedModel {
     auto q_out = torch::zeros({B, G, vocab_}, torch::kFloat32);
     float* q = q_out.data_ptr<float>();
     std::vector<double> cdf(vocab_);
-    auto tokens = draft_steps(ids, caches, starts, lengths, gammas, G,
+    auto tokens = draft_steps(ids, caches, starts, lengths, gammas, G, shapings, prefixes,
                               [&](torch::Tensor logits, const std::vector<int64_t>& live, int64_t step) {
       if (temperature != 1.0) logits = logits.div(temperature);
       const auto q16 = torch::softmax(logits, -1).to(torch::kHalf).to(torch::kFloat).contiguous();
@@ -132,9 +133,10 @@ class PackedModel {
   // The caches must have room for that already. → [B, max γ] int64, row b's first gammas[b]
   // entries its tokens, each a row's first maximum (numpy's and torch's argmax).
   torch::Tensor draft_greedy(torch::Tensor ids, std::vector<torch::Tensor> caches, std::vector<int64_t> starts,
-                             std::vector<int64_t> lengths, std::vector<int64_t> gammas) {
+                             std::vector<int64_t> lengths, std::vector<int64_t> gammas, std::vector<Shaping> shapings,
+                             std::vector<torch::Tensor> prefixes) {
     const int64_t G = longest_draft(gammas, static_cast<int64_t>(caches.size()), "draft_greedy");
-    return draft_steps(ids, caches, starts, lengths, gammas, G,
+    return draft_steps(ids, caches, starts, lengths, gammas, G, shapings, prefixes,
                        [&](torch::Tensor logits, const std::vector<int64_t>& live, int64_t) {
       const float* l = logits.data_ptr<float>();
       std::vector<int64_t> best(live.size(), 0);
@@ -161,10 +163,18 @@ class PackedModel {
   // The steps of a draft: step 0 feeds each item's ids, every later step the token `pick`
   // chose for it (pick(logits [live, vocab], live items, step) → one token per live row),
   // while the item has tokens left to draft. → [B, G] int64 tokens.
+  //
+  // shapings: none, or one per item (an inactive one for an item that shapes nothing); an
+  // active item's rows are shaped before `pick` sees them (shape_rows.cpp), by its tokens:
+  // prefixes[b], its ids at positions 0 .. starts[b] + lengths[b] (the cache's, then the fed
+  // ones), then the tokens drafted so far; as DraftEngine's step loop shapes them.
   template <typename Pick>
   torch::Tensor draft_steps(torch::Tensor ids, const std::vector<torch::Tensor>& caches, std::vector<int64_t> starts,
-                            std::vector<int64_t> lengths, const std::vector<int64_t>& gammas, int64_t G, Pick pick) {
+                            std::vector<int64_t> lengths, const std::vector<int64_t>& gammas, int64_t G,
+                            const std::vector<Shaping>& shapings, const std::vector<torch::Tensor>& prefixes,
+                            Pick pick) {
     const int64_t B = static_cast<int64_t>(caches.size());
+    auto seqs = shaped_sequences(shapings, prefixes, starts, lengths, B);
     auto out = torch::zeros({B, G}, torch::kLong);
     int64_t* tokens = out.data_ptr<int64_t>();
     std::vector<int64_t> live(B);
@@ -173,7 +183,15 @@ class PackedModel {
       std::vector<torch::Tensor> step_caches;
       for (int64_t b : live) step_caches.push_back(caches[b]);
       const auto logits = forward(ids, step_caches, starts, lengths, std::vector<int64_t>(live.size(), 1));
+      for (size_t r = 0; r < live.size() && !seqs.empty(); r++) {
+        auto& seq = seqs[live[r]];
+        if (shapings[live[r]].active())
+          shape_logit_rows(logits.data_ptr<float>() + r * vocab_, 1, vocab_, seq.data(),
+                           static_cast<int64_t>(seq.size()), shapings[live[r]]);
+      }
       const auto chosen = pick(logits, live, step);
+      for (size_t r = 0; r < live.size() && !seqs.empty(); r++)
+        if (shapings[live[r]].active()) seqs[live[r]].push_back(chosen[r]);
       std::vector<int64_t> next_live, next_starts, next_tokens;
       for (size_t r = 0; r < live.size(); r++) {
         const int64_t b = live[r];
@@ -190,6 +208,32 @@ class PackedModel {
       ids = torch::tensor(next_tokens, torch::kLong);
     }
     return out;
+  }
+
+  // each shaping item's ids so far (its prefix, checked), to which its drafted tokens are
+  // appended step by step; empty where no item shapes
+  std::vector<std::vector<int64_t>> shaped_sequences(const std::vector<Shaping>& shapings,
+                                                     const std::vector<torch::Tensor>& prefixes,
+                                                     const std::vector<int64_t>& starts,
+                                                     const std::vector<int64_t>& lengths, int64_t B) const {
+    std::vector<std::vector<int64_t>> seqs;
+    if (shapings.empty()) return seqs;
+    TORCH_CHECK(static_cast<int64_t>(shapings.size()) == B && static_cast<int64_t>(prefixes.size()) == B,
+                "PackedModel: one shaping and one prefix per item, or none");
+    seqs.resize(B);
+    for (int64_t b = 0; b < B; b++) {
+      const Shaping& s = shapings[b];
+      if (!s.active()) continue;
+      for (int64_t t : s.bias_ids) TORCH_CHECK(t >= 0 && t < vocab_, "PackedModel: biased token ", t, " is outside the vocabulary");
+      for (int64_t t : s.banned) TORCH_CHECK(t >= 0 && t < vocab_, "PackedModel: banned token ", t, " is outside the vocabulary");
+      const auto prefix = prefixes[b].contiguous();
+      TORCH_CHECK(prefix.dim() == 1 && prefix.scalar_type() == torch::kLong && prefix.size(0) == starts[b] + lengths[b],
+                  "PackedModel: item ", b, "'s prefix must be its ", starts[b] + lengths[b], " ids (int64)");
+      const int64_t* p = prefix.data_ptr<int64_t>();
+      seqs[b].assign(p, p + prefix.size(0));
+      for (int64_t t : seqs[b]) TORCH_CHECK(t >= 0 && t < vocab_, "PackedModel: item ", b, "'s prefix has token ", t);
+    }
+    return seqs;
   }
 
   torch::Tensor embed_, cos_, sin_;

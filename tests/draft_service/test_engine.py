@@ -1,6 +1,7 @@
 """DraftEngine on the bundled draft: greedy proposals take the argmax and carry no
 distributions (the greedy rule needs none), sampled ones carry exactly what they were
 drawn from, and a session drafts the same tokens alone or in a mixed batch."""
+import pytest
 import torch
 
 from draft_service.engine import DraftEngine, ProposeJob
@@ -175,6 +176,47 @@ def test_sampled_batches_drafted_in_one_native_call_are_the_step_by_step_loops(d
                 assert ca.length == cb.length
                 assert torch.allclose(ca.kv[:, :, : ca.length], cb.kv[:, :, : cb.length], atol=1e-5)
             starts = [s + len(f) for s, f in zip(starts, feeds)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shaped_batches_drafted_in_one_native_call_are_the_step_by_step_loops(draft_model, tokenizer, temperature):
+    """Shaping jobs take the native draft too (each step's row shaped in the call by the
+    session's ids, its fed tokens and the tokens drafted before): the same tokens (and at
+    t = 1 the same fp16 distributions to the bit) as the engine's step loop, for a batch of
+    an unshaped job, a penalised one and a biased one with tokens banned for its first steps,
+    over rounds in which their prefixes grow."""
+    import copy
+
+    fast = DraftEngine(ModelRunner(copy.deepcopy(draft_model), linear_kernels="half"))
+    slow = DraftEngine(ModelRunner(copy.deepcopy(draft_model), linear_kernels="half", whole_forward=False))
+    prompts = [tokenizer(p)["input_ids"] for p in ("import os\n", "def walk(root):\n    for ", "class A:\n")]
+    plain = SamplingParams(temperature, seed=11)
+    # what the draft says first for each prompt, banned and biased against to bite
+    firsts = [j.tokens[0] for j in fast.propose([ProposeJob(CacheRef(f"p{i}", 1, 0, p), 1, plain)
+                                                 for i, p in enumerate(prompts)])]
+    laws = [plain,
+            SamplingParams(temperature, seed=12, repetition_penalty=1.8, presence_penalty=0.7, frequency_penalty=0.4,
+                           penalty_start=len(prompts[1]) - 3),
+            SamplingParams(temperature, seed=13, logit_bias=((firsts[2], -3.0), (5, 2.0)),
+                           banned_ids=(firsts[2], 0), banned_until=len(prompts[2]) + 3)]
+    starts, shaped_tokens = [0, 0, 0], []
+    for gammas in ((4, 5, 6), (3, 6, 2)):
+        feeds = [p if s == 0 else [7 + i] for i, (p, s) in enumerate(zip(prompts, starts))]
+        jobs = [ProposeJob(CacheRef(f"s{i}", 1, s, f), g, law)
+                for i, (s, f, g, law) in enumerate(zip(starts, feeds, gammas, laws))]
+        assert fast._plain_greedy(jobs) if temperature == 0 else fast._plain_sampled(jobs)
+        passes = fast.forward_passes
+        got, want = fast.propose(jobs), slow.propose(jobs)
+        assert fast.forward_passes - passes == max(gammas)  # one native call, not the step loop
+        for a, b in zip(got, want):
+            assert a.tokens == b.tokens and a.cache_length == b.cache_length
+            assert (a.q is None and b.q is None) if temperature == 0 else torch.equal(a.q, b.q)
+        for i in range(3):
+            ca, cb = fast.sessions._sessions[f"s{i}"].cache, slow.sessions._sessions[f"s{i}"].cache
+            assert (ca.ids[: ca.length] == cb.ids[: cb.length]).all()
+        shaped_tokens.append(got[2].tokens)
+        starts = [s + len(f) for s, f in zip(starts, feeds)]
+    assert firsts[2] not in shaped_tokens[0][:3]  # banned for those positions
 
 
 def test_only_plain_sampled_jobs_take_the_native_draw(draft_model):
