@@ -81,6 +81,7 @@ async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, pe
                     results.setdefault((mode, streams, system, arm), []).append(run.tps)
                     shape = (f" γ {run.drafted / run.rounds:.2f} pre-drafted {run.overlap_hits / run.rounds:.2f}"
                              if run.rounds else "")
+                    shape += f" accepted {run.accepted / run.drafted:.2f}" if run.drafted else ""
                     print(f"round {k + 1} {arm}: {mode} {streams} streams ({system}) {run.tps:.1f} tok/s{shape}",
                           flush=True)
     finally:

@@ -161,15 +161,13 @@ class DraftEngine:
         return bool(jobs) and all(j.params.greedy and not j.runner_ups and j.stop_below <= 0
                                   and _natively_shaped(j.params) for j in jobs)
 
-    def _plain_sampled(self, jobs: list[ProposeJob]) -> bool:
-        """Jobs drawn at one temperature with nothing but the draw at each step (no top-k,
-        top-p or min-p to cut the law, no bonus guess, no early stop; shaped only where the
-        kernels shape): the runner can draft them in one native call (ModelRunner.draft_sampled)."""
-        vocab = self.runner.vocab_size
-        return (bool(jobs) and len({j.params.temperature for j in jobs}) == 1
-                and all(not j.params.greedy and (j.params.top_k <= 0 or j.params.top_k >= vocab)
-                        and j.params.top_p >= 1.0 and j.params.min_p <= 0.0 and not j.guess_bonus
-                        and _natively_shaped(j.params)
+    @staticmethod
+    def _plain_sampled(jobs: list[ProposeJob]) -> bool:
+        """Jobs drawn under one law (temperature, top-k, top-p, min-p) with nothing but the
+        draw at each step (no bonus guess, no early stop; shaped only where the kernels
+        shape): the runner can draft them in one native call (ModelRunner.draft_sampled)."""
+        return (bool(jobs) and len({sampling.law_key(j.params) for j in jobs}) == 1
+                and all(not j.params.greedy and not j.guess_bonus and _natively_shaped(j.params)
                         and j.stop_below <= 0 for j in jobs))
 
     def _draft_natively(self, jobs: list[ProposeJob], items: list[ForwardItem]):
@@ -191,8 +189,7 @@ class DraftEngine:
         firsts = [it.cache.length + len(it.tokens) for it in items]
         uniforms = sampling.uniforms_at([j.params.seed for j in jobs for _ in range(G)],
                                         [p + s for p in firsts for s in range(G)], sampling.STREAM_DRAFT)
-        return self.runner.draft_sampled(items, gammas, jobs[0].params.temperature, uniforms.view(len(jobs), G),
-                                          shapings)
+        return self.runner.draft_sampled(items, gammas, jobs[0].params, uniforms.view(len(jobs), G), shapings)
 
     @staticmethod
     def _goes_on(job: ProposeJob, step: int, top: float | None) -> bool:

@@ -42,6 +42,7 @@ from specdec import native
 from specdec.kv_cache import KVCache
 from specdec.linear_kernels import KERNELS, KernelTable, Product, prepare
 from specdec.quantize import MODES as quantize_modes, quantize_linears_, w8a8_unavailable
+from specdec.sampling import SamplingParams
 
 
 HALF = KERNELS.index("half")
@@ -379,18 +380,19 @@ class ModelRunner:
         return None if tokens is None else [row[:g] for row, g in zip(tokens.tolist(), gammas)]
 
     @torch.inference_mode()
-    def draft_sampled(self, items: list[ForwardItem], gammas: list[int], temperature: float,
+    def draft_sampled(self, items: list[ForwardItem], gammas: list[int], law: SamplingParams,
                       uniforms: torch.Tensor, shapings: list | None = None
                       ) -> tuple[list[list[int]], list[torch.Tensor]] | None:
-        """Sampled drafting at one temperature (no top-k, no top-p), every step in one native
-        call (PackedModel.draft_sampled): per step the logits (shaped as `draft_greedy`
-        shapes them) ÷ temperature, softmax, rounded to fp16 (wire.quantize), and item i's
-        token drawn from those at uniforms[i, step] (sampling.sample_from), as DraftEngine's
-        step loop draws, to the bit. → (tokens, q [γ_i, vocab] float32) per item, caches as
-        `draft_greedy` leaves them; None where the whole forward is not native (then the
-        caller steps itself)."""
+        """Sampled drafting under one law (`law`'s temperature, top-k, top-p and min-p), every
+        step in one native call (PackedModel.draft_sampled): per step the logits (shaped as
+        `draft_greedy` shapes them) through sampling.logits_to_probs' operators, rounded to
+        fp16 (wire.quantize), and item i's token drawn from those at uniforms[i, step]
+        (sampling.sample_from), as DraftEngine's step loop draws, to the bit. → (tokens, q
+        [γ_i, vocab] float32) per item, caches as `draft_greedy` leaves them; None where the
+        whole forward is not native (then the caller steps itself)."""
         out = self._draft_natively(items, gammas, shapings, lambda *args: self._whole.draft_sampled(
-            *args[:5], float(temperature), uniforms, *args[5:]))
+            *args[:5], float(law.temperature), int(law.top_k), float(law.top_p), float(law.min_p), uniforms,
+            *args[5:]))
         if out is None:
             return None
         tokens, q = out

@@ -204,11 +204,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        drop_sorted = mass_before >= params.top_p  # keeps the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(top_p_drop(probs, params.top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     if params.min_p > 0.0:  # a ratio to the row's largest: the same before or after renormalising
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
@@ -216,7 +212,28 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def _law(params: SamplingParams) -> tuple:
+def top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] probabilities → the [..., V] mask of the tokens top-p truncation drops: all
+    but the smallest set of the likeliest tokens (ties: the lower id first) whose mass reaches
+    top_p. One call of specdec.native's top_p_drop on a CPU where the kernels are loaded
+    (the same mask, without sorting the vocabulary); else `top_p_drop_torch`."""
+    kernels = native.loaded()
+    if kernels is not None and probs.is_cpu and probs.dtype == torch.float32:
+        return kernels.top_p_drop(probs, top_p)
+    return top_p_drop_torch(probs, top_p)
+
+
+def top_p_drop_torch(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_drop` by a full sort: any device, and the native mask's reference. The sort is
+    stable so that tied tokens at the boundary are taken in id order on every device (torch's
+    default sort leaves their order to the algorithm)."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+    drop_sorted = mass_before >= top_p  # keeps the smallest set reaching top_p
+    return torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+
+
+def law_key(params: SamplingParams) -> tuple:
     """What `logits_to_probs` depends on: rows with the same law share its operators."""
     return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p, params.min_p)
 
@@ -231,7 +248,7 @@ def probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     """
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        groups.setdefault(_law(p), []).append(i)
+        groups.setdefault(law_key(p), []).append(i)
     if len(groups) == 1:
         return logits_to_probs(logits, params[0])
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)

@@ -20,6 +20,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
                             std::vector<torch::Tensor> caches, std::vector<int64_t> starts, std::vector<int64_t> lengths,
                             int64_t layer, double scale, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// top_p.cpp: the tokens top-p truncation drops, [..., vocab] bool (specdec.sampling.top_p_drop)
+torch::Tensor top_p_drop(torch::Tensor probs, double top_p);
 // shape_rows.cpp: one request's logit shaping (specdec.shaping), and its application to a
 // session's rows, row r predicting position first + r after ids[0 .. first + r)
 struct Shaping {

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -88,18 +89,21 @@ class PackedModel {
   }
 
   // A sampled draft of gammas[b] tokens per item, all steps in this one call, as DraftEngine's
-  // step loop draws at one temperature with no top-k or top-p: each step's logits divided by
-  // the temperature (where it is not 1), softmax, rounded to fp16 (wire.quantize: what the
-  // target will be sent), and the token drawn from those values with uniforms[b, step]
-  // (sampling.sample_from's draw). The same ATen operators on the same rows, and the same
-  // draw, so the tokens and q are the loop's to the bit. Caches as `draft_greedy` leaves
-  // them. → ([B, max γ] int64 tokens, [B, max γ, vocab] float32 q), row b's first gammas[b].
+  // step loop draws under one law: each step's logits through `law` (temperature, top-k,
+  // top-p, min-p), rounded to fp16 (wire.quantize: what the target will be sent), and the
+  // token drawn from those values with uniforms[b, step] (sampling.sample_from's draw). The
+  // same operators on the same rows, and the same draw, so the tokens and q are the loop's
+  // to the bit. Caches as `draft_greedy` leaves them. → ([B, max γ] int64 tokens,
+  // [B, max γ, vocab] float32 q), row b's first gammas[b].
   std::tuple<torch::Tensor, torch::Tensor> draft_sampled(torch::Tensor ids, std::vector<torch::Tensor> caches,
                                                          std::vector<int64_t> starts, std::vector<int64_t> lengths,
                                                          std::vector<int64_t> gammas, double temperature,
+                                                         int64_t top_k, double top_p, double min_p,
                                                          torch::Tensor uniforms, std::vector<Shaping> shapings,
                                                          std::vector<torch::Tensor> prefixes) {
     TORCH_CHECK(temperature > 0, "PackedModel.draft_sampled: the temperature must be positive");
+    TORCH_CHECK(top_k >= 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1,
+                "PackedModel.draft_sampled: top_k ≥ 0, top_p in (0, 1] and min_p in [0, 1]");
     const int64_t B = static_cast<int64_t>(caches.size()), G = longest_draft(gammas, B, "draft_sampled");
     TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) >= G &&
                     uniforms.scalar_type() == torch::kFloat64,
@@ -112,8 +116,7 @@ class PackedModel {
     std::vector<double> cdf(vocab_);
     auto tokens = draft_steps(ids, caches, starts, lengths, gammas, G, shapings, prefixes,
                               [&](torch::Tensor logits, const std::vector<int64_t>& live, int64_t step) {
-      if (temperature != 1.0) logits = logits.div(temperature);
-      const auto q16 = torch::softmax(logits, -1).to(torch::kHalf).to(torch::kFloat).contiguous();
+      const auto q16 = law(logits, temperature, top_k, top_p, min_p).to(torch::kHalf).to(torch::kFloat).contiguous();
       const float* rows = q16.data_ptr<float>();
       std::vector<int64_t> drawn(live.size());
       for (size_t r = 0; r < live.size(); r++) {
@@ -150,6 +153,26 @@ class PackedModel {
   }
 
  private:
+  // specdec.sampling.logits_to_probs for sampled rows, operator for operator (top-p's mask
+  // by top_p.cpp, which is that of its sort): the same bits
+  static torch::Tensor law(torch::Tensor logits, double temperature, int64_t top_k, double top_p, double min_p) {
+    if (temperature != 1.0) logits = logits.div(temperature);
+    if (top_k > 0 && top_k < logits.size(-1)) {
+      const auto kth = std::get<0>(logits.topk(top_k, -1)).narrow(-1, top_k - 1, 1);
+      logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
+    }
+    auto probs = torch::softmax(logits, -1);
+    if (top_p < 1.0) {
+      probs = probs.masked_fill(top_p_drop(probs, top_p), 0.0);
+      probs = probs / probs.sum(-1, true);
+    }
+    if (min_p > 0.0) {
+      probs = probs.masked_fill(probs < probs.amax(-1, true) * min_p, 0.0);
+      probs = probs / probs.sum(-1, true);
+    }
+    return probs;
+  }
+
   static int64_t longest_draft(const std::vector<int64_t>& gammas, int64_t items, const char* name) {
     TORCH_CHECK(static_cast<int64_t>(gammas.size()) == items, "PackedModel.", name, ": one γ per item");
     int64_t G = 0;
@@ -254,6 +277,6 @@ void bind_packed_model(pybind11::module& m) {
       .def("draft_greedy", &PackedModel::draft_greedy, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "a greedy draft of γ tokens per item, every step in this call → [B, max γ] tokens")
       .def("draft_sampled", &PackedModel::draft_sampled, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "a sampled draft of γ tokens per item at one temperature, every step in this call → "
+           "a sampled draft of γ tokens per item under one law, every step in this call → "
            "([B, max γ] tokens, [B, max γ, vocab] fp16-rounded q)");
 }

@@ -144,38 +144,47 @@ def test_greedy_batches_drafted_in_one_native_call_are_the_step_by_step_loops(dr
         starts = [s + len(f) for s, f in zip(starts, feeds)]
 
 
-def test_sampled_batches_drafted_in_one_native_call_are_the_step_by_step_loops(draft_model, tokenizer):
-    """ModelRunner.draft_sampled (every step of a plain sampled proposal in one call) against
-    the engine's own loop: the same tokens and the same fp16 distributions to the bit (what
-    the target is sent and the tokens were drawn from), the same cache lengths and caches,
-    at temperature 1 and 0.7, over sessions of different γ, seeds and catch-up lengths."""
+LAWS = {"t1": {}, "t0.7": {"temperature": 0.7}, "top_k": {"top_k": 40}, "top_p": {"top_p": 0.9},
+        "min_p": {"min_p": 0.05}, "all": {"temperature": 0.8, "top_k": 200, "top_p": 0.95, "min_p": 0.02}}
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_sampled_batches_drafted_in_one_native_call_are_the_step_by_step_loops(draft_model, tokenizer, law):
+    """ModelRunner.draft_sampled (every step of a sampled proposal in one call) against the
+    engine's own loop: the same tokens and the same fp16 distributions to the bit (what the
+    target is sent and the tokens were drawn from), the same cache lengths and caches, under
+    plain and truncated laws (top-k, top-p, min-p: the same operators, top-p's mask by the
+    native kernel that is the sort's), over sessions of different γ, seeds and catch-up lengths."""
     import copy
 
     fast = DraftEngine(ModelRunner(copy.deepcopy(draft_model), linear_kernels="half"))
     slow = DraftEngine(ModelRunner(copy.deepcopy(draft_model), linear_kernels="half", whole_forward=False))
     prompts = [tokenizer(p)["input_ids"] for p in ("import os\n", "def walk(root):\n    for ", "class A:\n")]
-    for temperature in (1.0, 0.7):
-        starts = [0, 0, 0]
-        laws = [SamplingParams(temperature, seed=100 * i + 7) for i in range(3)]
-        for round_, gammas in enumerate(((4, 1, 7), (2, 5, 3), (6, 6, 6))):
-            feeds = [p if s == 0 else [7 + i] for i, (p, s) in enumerate(zip(prompts, starts))]
-            jobs = [ProposeJob(CacheRef(f"t{temperature}-{i}", 1, s, f), g, law)
-                    for i, (s, f, g, law) in enumerate(zip(starts, feeds, gammas, laws))]
-            assert fast._plain_sampled(jobs)
-            got, want = fast.propose(jobs), slow.propose(jobs)
-            for a, b, g in zip(got, want, gammas):
-                assert a.tokens == b.tokens and len(a.tokens) == g
-                assert a.q.shape == b.q.shape == (g, fast.runner.vocab_size)
-                assert torch.equal(a.q, b.q)
-                assert torch.equal(a.q, a.q.half().float())  # fp16 values, as they travel
-                assert a.cache_length == b.cache_length
-            assert fast.fed_tokens == slow.fed_tokens
-            for i in range(3):
-                ca = fast.sessions._sessions[f"t{temperature}-{i}"].cache
-                cb = slow.sessions._sessions[f"t{temperature}-{i}"].cache
-                assert ca.length == cb.length
-                assert torch.allclose(ca.kv[:, :, : ca.length], cb.kv[:, :, : cb.length], atol=1e-5)
-            starts = [s + len(f) for s, f in zip(starts, feeds)]
+    fields = {"temperature": 1.0, **LAWS[law]}
+    laws = [SamplingParams(seed=100 * i + 7, **fields) for i in range(3)]
+    starts = [0, 0, 0]
+    for gammas in ((4, 1, 7), (2, 5, 3), (6, 6, 6)):
+        feeds = [p if s == 0 else [7 + i] for i, (p, s) in enumerate(zip(prompts, starts))]
+        jobs = [ProposeJob(CacheRef(f"t{i}", 1, s, f), g, law)
+                for i, (s, f, g, law) in enumerate(zip(starts, feeds, gammas, laws))]
+        assert fast._plain_sampled(jobs)
+        passes = fast.forward_passes
+        got, want = fast.propose(jobs), slow.propose(jobs)
+        assert fast.forward_passes - passes == max(gammas)
+        for a, b, g in zip(got, want, gammas):
+            assert a.tokens == b.tokens and len(a.tokens) == g
+            assert a.q.shape == b.q.shape == (g, fast.runner.vocab_size)
+            assert torch.equal(a.q, b.q)
+            assert torch.equal(a.q, a.q.half().float())  # fp16 values, as they travel
+            assert a.cache_length == b.cache_length
+        if law not in ("t1", "t0.7"):  # the law cuts: the draft distributions leave tokens out
+            assert all((a.q == 0).any() for a in got)
+        assert fast.fed_tokens == slow.fed_tokens
+        for i in range(3):
+            ca, cb = fast.sessions._sessions[f"t{i}"].cache, slow.sessions._sessions[f"t{i}"].cache
+            assert ca.length == cb.length
+            assert torch.allclose(ca.kv[:, :, : ca.length], cb.kv[:, :, : cb.length], atol=1e-5)
+        starts = [s + len(f) for s, f in zip(starts, feeds)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -225,8 +234,10 @@ def test_only_plain_sampled_jobs_take_the_native_draw(draft_model):
     t1 = SamplingParams(1.0, seed=3)
     plain = ProposeJob(ref, 4, t1)
     assert engine._plain_sampled([plain, ProposeJob(ref, 2, SamplingParams(1.0, seed=4))])
+    cut = SamplingParams(0.8, top_k=30, top_p=0.9, min_p=0.1, seed=3)
+    assert engine._plain_sampled([ProposeJob(ref, 4, cut), ProposeJob(ref, 2, cut)])  # one law, however cut
     assert not engine._plain_sampled([])
-    for other in (ProposeJob(ref, 4, SamplingParams(1.0, top_p=0.9, seed=3)),  # a cut law
+    for other in (ProposeJob(ref, 4, SamplingParams(1.0, top_p=0.9, seed=3)),  # another law beside it
                   ProposeJob(ref, 4, SamplingParams(1.0, top_k=50, seed=3)),
                   ProposeJob(ref, 4, SamplingParams(1.0, seed=3, min_p=0.05)),
                   ProposeJob(ref, 4, t1, guess_bonus=True),  # a pre-draft's bonus guess

@@ -2,6 +2,8 @@
 the token that sampling's torch path picks for the same probabilities and uniform, including
 the floating tie that lands on a trailing zero; the native residual masses are the torch
 path's sums to the bit; and the native final norm computes torch's."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,3 +112,45 @@ def test_native_rms_norm_is_torchs(kernels, isa):
         assert torch.allclose(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (hidden,), w, 1e-6), rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="hidden size"):
         kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+
+
+def _nucleus_rows() -> torch.Tensor:
+    """Rows from peaked to flat, with holes, ties across the boundary and a one-hot."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(40, 4096, generator=gen) * torch.linspace(0.2, 20, 40)[:, None]
+    probs = torch.softmax(logits, -1)
+    probs[::4, ::3] = 0.0
+    probs[1, :300] = probs[1, 300]  # 300 tied tokens, the nucleus' boundary among them
+    probs[2] = 0.0
+    probs[2, 5] = 1.0
+    probs[3, 10:20] = 0.1  # ten tokens of 0.1 each and nothing else
+    probs[3, :10] = 0.0
+    probs[3, 20:] = 0.0
+    probs[4] = 1 / 4096  # all tied: every cut falls among ties
+    return probs
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.5, 0.9, 0.95, 0.999, 1 - 1e-7, 1 - 1e-9])
+def test_the_native_nucleus_is_the_sorted_ones(kernels, top_p):
+    """specdec.native's top_p_drop (no full sort) drops exactly what the stable sort's
+    cumulative sums drop, row by row, ties taken by the lower id, at cuts from one token to
+    all of them; and sampling.top_p_drop takes it once loaded."""
+    probs = _nucleus_rows()
+    want = sampling.top_p_drop_torch(probs, top_p)
+    assert torch.equal(kernels.top_p_drop(probs, top_p), want)
+    assert torch.equal(sampling.top_p_drop(probs, top_p), want)
+    assert torch.equal(kernels.top_p_drop(probs[7], top_p), want[7])  # one row, 1-D
+    assert (~want).sum(-1).min() >= 1  # every row keeps a token
+    kept = int((~want[4]).sum())  # the uniform row keeps its lowest ids
+    assert kept == min(4096, math.ceil(top_p * 4096)) and not want[4, :kept].any()
+
+
+def test_the_nucleus_is_the_smallest_set_of_the_likeliest_tokens_reaching_top_p():
+    """The reference itself, against its definition on small rows: keep tokens in order of
+    probability, ties by id, until the mass kept reaches top_p (exact fractions here)."""
+    probs = torch.tensor([[0.25, 0.125, 0.25, 0.375, 0.0], [0.5, 0.0, 0.25, 0.25, 0.0]])
+    kept = lambda top_p: (~sampling.top_p_drop_torch(probs, top_p)).nonzero().tolist()
+    assert kept(0.375) == [[0, 3], [1, 0]]
+    assert kept(0.5) == [[0, 0], [0, 3], [1, 0]]  # the tie at 0.25: the lower id first
+    assert kept(0.625) == [[0, 0], [0, 3], [1, 0], [1, 2]]
+    assert kept(0.9) == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 2], [1, 3]]
