@@ -5,12 +5,15 @@
 // less at many (torch's sort of [5, 4096] rows took 1.1 ms on the 2-core CPU, and a
 // verification sorts γ + 1 of them).
 //
-// Only the head of the order is sorted: the most likely 32 tokens (std::nth_element, then a
-// sort of those), then 4× more, until the mass above the next token clears top_p by a margin
-// (1e-6) that no float32 rounding of the later cumsums can take back; every token past that
-// point has at least that much mass above it and is dropped, as the full sort would drop it.
-// Keys pack (probability descending, token id ascending) into one uint64: a plain integer
-// order, ties taken by the lower id as the stable sort takes them.
+// Only the head of the order is sorted. One pass sums the probabilities into 2,048 buckets by
+// their float bits' top (the exponent and three mantissa bits: a bucket's values all exceed a
+// lower one's); walking down from the largest, the bucket where the mass reaches top_p plus a
+// margin (1e-6, beyond any float32 rounding of torch's cumsums) ends the candidates: every
+// token below it has at least that mass above it and is dropped, as the full sort drops it.
+// The candidates, a prefix of the sorted order, are sorted by a stable radix sort of their
+// float bits (collected in id order: ties stay in id order, as the stable sort keeps them),
+// and their cumsum taken in that order, exactly as torch's. The small models' nuclei at
+// top_p 0.95 hold 300–1,300 of 4,096 tokens: a comparison sort of those costs 50–70 µs a row.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -22,29 +25,62 @@
 namespace {
 
 constexpr double kMargin = 1e-6;
+constexpr int kBucketShift = 20;  // bits 30..20 of a non-negative float: 2,048 buckets
+constexpr int kBuckets = 1 << 11;
+constexpr int64_t kComparisonSortBelow = 96;  // fewer candidates than this: std::sort
 
-uint64_t key_of(float p, int64_t token) {
+struct Scratch {
+  std::vector<double> mass;
+  std::vector<uint64_t> keys, spare;
+  std::vector<int64_t> counts;
+};
+
+uint32_t bits_of(float p) {
   uint32_t bits;
   std::memcpy(&bits, &p, sizeof bits);  // a non-negative float's bits order as the float does
-  return (static_cast<uint64_t>(0xFFFFFFFFu - bits) << 32) | static_cast<uint64_t>(token);
+  return bits & 0x7FFFFFFFu;            // (−0 as 0; probabilities are never negative)
 }
 
-void drop_row(const float* p, int64_t vocab, float top_p, bool* drop, std::vector<uint64_t>& keys) {
-  keys.resize(vocab);
-  for (int64_t v = 0; v < vocab; v++) keys[v] = key_of(p[v], v);
-  std::fill(drop, drop + vocab, true);
-  double running = 0.0;
-  int64_t done = 0;
-  for (int64_t head = std::min<int64_t>(32, vocab);; head = std::min(vocab, head * 4)) {
-    if (head < vocab) std::nth_element(keys.begin() + done, keys.begin() + head, keys.end());
-    std::sort(keys.begin() + done, keys.begin() + head);
-    for (; done < head; done++) {
-      const int64_t token = static_cast<int64_t>(keys[done] & 0xFFFFFFFFu);
-      running += static_cast<double>(p[token]);
-      const float before = static_cast<float>(running) - p[token];  // torch: cumsum (float32) − p
-      drop[token] = before >= top_p;
+// keys: (0xFFFFFFFF − float bits) << 32 | token, in token order → sorted ascending (by
+// probability descending, then token), stably by three 11-bit digits of the high half
+void radix_sort(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare, std::vector<int64_t>& counts) {
+  spare.resize(keys.size());
+  for (int shift = 32; shift < 64; shift += 11) {
+    counts.assign(kBuckets + 1, 0);
+    for (uint64_t k : keys) counts[((k >> shift) & (kBuckets - 1)) + 1]++;
+    for (int b = 0; b < kBuckets; b++) counts[b + 1] += counts[b];
+    for (uint64_t k : keys) spare[counts[(k >> shift) & (kBuckets - 1)]++] = k;
+    keys.swap(spare);
+  }
+}
+
+void drop_row(const float* p, int64_t vocab, float top_p, bool* drop, Scratch& s) {
+  s.mass.assign(kBuckets, 0.0);
+  for (int64_t v = 0; v < vocab; v++) s.mass[bits_of(p[v]) >> kBucketShift] += static_cast<double>(p[v]);
+  int first = 0;  // the lowest bucket of the candidates
+  double above = 0.0;
+  for (int b = kBuckets - 1; b >= 0; b--) {
+    above += s.mass[b];
+    if (above >= static_cast<double>(top_p) + kMargin) {
+      first = b;
+      break;
     }
-    if (done == vocab || running >= static_cast<double>(top_p) + kMargin) return;
+  }
+  s.keys.clear();
+  for (int64_t v = 0; v < vocab; v++) {
+    const uint32_t bits = bits_of(p[v]);
+    drop[v] = true;
+    if (static_cast<int>(bits >> kBucketShift) >= first)
+      s.keys.push_back((static_cast<uint64_t>(0xFFFFFFFFu - bits) << 32) | static_cast<uint64_t>(v));
+  }
+  if (static_cast<int64_t>(s.keys.size()) < kComparisonSortBelow) std::sort(s.keys.begin(), s.keys.end());
+  else radix_sort(s.keys, s.spare, s.counts);
+  double running = 0.0;
+  for (uint64_t k : s.keys) {
+    const int64_t token = static_cast<int64_t>(k & 0xFFFFFFFFu);
+    running += static_cast<double>(p[token]);
+    const float before = static_cast<float>(running) - p[token];  // torch: cumsum (float32) − p
+    drop[token] = before >= top_p;
   }
 }
 
@@ -61,7 +97,7 @@ torch::Tensor top_p_drop(torch::Tensor probs, double top_p) {
   const float* p = probs.data_ptr<float>();
   bool* d = out.data_ptr<bool>();
   const float threshold = static_cast<float>(top_p);  // as torch compares a float32 tensor with it
-  std::vector<uint64_t> keys;
-  for (int64_t r = 0; r < rows; r++) drop_row(p + r * vocab, vocab, threshold, d + r * vocab, keys);
+  Scratch scratch;
+  for (int64_t r = 0; r < rows; r++) drop_row(p + r * vocab, vocab, threshold, d + r * vocab, scratch);
   return out;
 }
