@@ -205,3 +205,18 @@ def test_probes_refuse_bad_arguments_before_any_work(probe, argv, words):
 
     with pytest.raises(SystemExit, match=words):
         importlib.import_module(f"benchmarks.{probe}").main(argv)
+
+
+def test_law_probe_times_both_arms_of_every_law_on_the_same_tokens(capsys):
+    from benchmarks import law_probe
+    from specdec import sampling, shaping
+
+    native_ones = sampling.top_p_drop, shaping.native_shaping
+    assert law_probe.main(["--rounds", "2", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "both arms committed the same tokens under every law" in out  # else it exits with the laws
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "median" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == list(law_probe.LAWS)
+    for row in rows:
+        assert all(float(c) > 0 for c in row.strip("|").split("|")[1:])
+    assert (sampling.top_p_drop, shaping.native_shaping) == native_ones  # the kernels are back
