@@ -468,7 +468,7 @@ class Generator:
         return Generation(
             handle, deadline, SessionLinks(self.pools, self.calls), Stats(),
             SessionPolicy(fixed=req.gamma, deterministic=req.seeded and p.temperature > 0, greedy=p.greedy),
-            TextStream(self.tokenizer, req.stop), params_to_pb(p),
+            TextStream(self.tokenizer, req.stop, req.min_tokens), params_to_pb(p),
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
             top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs, ends=ends,

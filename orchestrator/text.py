@@ -4,14 +4,20 @@ Each token is decoded against a short window of the tokens before it (the prefix
 offsets of Hugging Face's TGI), so a round costs a few small decodes however long the
 output is. Text that ends in an incomplete UTF-8 sequence, or that could still grow into a
 stop string, is held back until a later token decides it.
+
+A request's `min_tokens` holds stop strings off as it holds EOS and stop tokens off (vLLM's
+semantics): only an occurrence that a token at or past the min_tokens-th completes ends the
+text, whether it began before that token or not.
 """
 from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self.early = 0  # held[:early] came from tokens before min_tokens: no stop string may end there
         self.tokens: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -35,8 +41,11 @@ class TextStream:
         for i, token in enumerate(new_tokens):
             self.tokens.append(token)
             self.held += self._next_piece()
+            if len(self.tokens) < self.min_tokens:
+                self.early = len(self.held)
+                continue
             for s in self.stop:
-                idx = self.held.find(s)
+                idx = self.held.find(s, max(0, self.early - len(s) + 1))  # one that ends past the early text
                 if idx != -1:
                     self.stopped = True
                     out, self.held = self.held[:idx], ""
@@ -49,6 +58,7 @@ class TextStream:
                     break
         cut = len(self.held) - keep_back
         out, self.held = self.held[:cut], self.held[cut:]
+        self.early = max(0, self.early - cut)
         return out, len(new_tokens)
 
     def flush(self) -> str:

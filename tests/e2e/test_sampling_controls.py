@@ -127,3 +127,27 @@ def test_min_tokens_keeps_the_answer_from_ending_before_it(local_stack, target_m
     first = biased_greedy(target_model, ids, 8, {}, {eos}, len(ids) + 8, eos)
     held = stub.Generate(request(ENDS_AT_ONCE, 12, 0.0, min_tokens=3, stop_token_ids=[first[1]]), timeout=120)
     assert first[1] not in held.token_ids[:3] and eos not in held.token_ids[:3]
+
+
+def test_min_tokens_holds_stop_strings_off_too(local_stack, tokenizer):
+    """A stop string the greedy answer completes within its first min_tokens tokens does not
+    end it; one completed later does (the text cut before it, finish reason STOP)."""
+    stub = api(local_stack.orchestrator_address)
+    prompt = "class Stack:\n    def push(self, item):\n"
+    full = list(stub.Generate(request(prompt, 60, 0.0, ignore_eos=True), timeout=120).token_ids)
+    text = tokenizer.decode(full)
+    stop = next(c for c in ("self", "(", ".", "\n") if text.count(c) >= 2)  # twice in the answer
+    completes = next(n for n in range(1, len(full) + 1) if stop in tokenizer.decode(full[:n]))
+    early = stub.Generate(request(prompt, 60, 0.0, ignore_eos=True, stop=[stop]), timeout=120)
+    assert early.text == text[: text.index(stop)] and early.finish_reason == pb.FINISH_REASON_STOP
+    floor = len(tokenizer.decode(full[:completes]))  # the text of the tokens min_tokens holds off
+    later = text.find(stop, floor - len(stop) + 1)  # the first occurrence a later token completes
+    assert later > text.index(stop)
+    for gamma in (None, 4, 0):
+        held = stub.Generate(request(prompt, 60, 0.0, gamma=gamma, ignore_eos=True, stop=[stop],
+                                     min_tokens=completes + 1), timeout=120)
+        assert held.text == text[:later], gamma
+        assert held.finish_reason == pb.FINISH_REASON_STOP and len(held.token_ids) > completes
+        tokens, streamed, last = stream(stub, request(prompt, 60, 0.0, gamma=gamma, ignore_eos=True, stop=[stop],
+                                                     min_tokens=completes + 1))
+        assert streamed == held.text and last.finish_reason == pb.FINISH_REASON_STOP

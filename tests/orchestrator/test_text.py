@@ -42,3 +42,50 @@ def test_a_possible_stop_prefix_is_held_back(tokenizer):
     ids = tokenizer("x = 1\n\n")["input_ids"]
     chunk, _ = stream.push(ids)
     assert chunk == "x = 1" and stream.flush() == "\n\n"
+
+
+TWICE = "x = 1\nreturn x\ny = 2\nreturn y\n"
+
+
+def _completing_count(tokenizer, ids, stop: str, after: int = 0) -> int:
+    """How many tokens it takes for the text to hold `stop` ending past its first `after` tokens' text."""
+    floor = len(tokenizer.decode(ids[:after]))
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n])
+        if text.find(stop, max(0, floor - len(stop) + 1)) != -1:
+            return n
+    raise AssertionError(f"{stop!r} is not in the text")
+
+
+@pytest.mark.parametrize("round_size", [1, 4])
+def test_min_tokens_holds_stop_strings_off_until_a_token_past_it_completes_one(tokenizer, round_size):
+    """A stop string completed by one of the first min_tokens tokens does not end the text
+    (EOS and stop tokens are banned there; vLLM holds stop strings off too); the next one
+    completed at or past the min_tokens-th token does, even where it began before."""
+    ids = tokenizer(TWICE)["input_ids"]
+    first = _completing_count(tokenizer, ids, "return")
+    # min_tokens at the completing token: the first occurrence counts
+    stream = TextStream(tokenizer, ["return"], min_tokens=first)
+    text, kept = feed(stream, ids, round_size)
+    assert stream.stopped and text == TWICE[: TWICE.index("return")] and sum(kept) == first
+    # one more: the first is held off, the second ends it
+    stream = TextStream(tokenizer, ["return"], min_tokens=first + 1)
+    text, kept = feed(stream, ids, round_size)
+    assert stream.stopped and text == TWICE[: TWICE.rindex("return")]
+    assert sum(kept) == _completing_count(tokenizer, ids, "return", after=first)
+    # past both: the whole text, nothing held back
+    stream = TextStream(tokenizer, ["return"], min_tokens=len(ids))
+    text, _ = feed(stream, ids, round_size)
+    assert not stream.stopped and text == TWICE
+
+
+def test_a_stop_string_begun_before_min_tokens_ends_the_text_once_a_later_token_completes_it(tokenizer):
+    ids = tokenizer(TWICE)["input_ids"]
+    stop = "1\nreturn"  # begins in the first tokens
+    completes = _completing_count(tokenizer, ids, stop)
+    for min_tokens in (completes - 1, completes):
+        stream = TextStream(tokenizer, [stop], min_tokens=min_tokens)
+        text, kept = feed(stream, ids, 1)
+        assert stream.stopped and text == TWICE[: TWICE.index(stop)] and sum(kept) == completes
+    stream = TextStream(tokenizer, [stop], min_tokens=completes + 1)
+    assert feed(stream, ids, 1)[0] == TWICE and not stream.stopped
