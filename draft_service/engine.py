@@ -84,7 +84,9 @@ class DraftEngine:
                 live.append(i)
             except SpecDecError as exc:
                 results[i] = exc
-        feed = {i: torch.tensor(jobs[i].ref.tokens, dtype=torch.long) for i in live}
+        # a new session's cache may hold a copied prefix of its tokens already (SessionTable.acquire)
+        feed = {i: torch.tensor(jobs[i].ref.tokens[caches[i].length - jobs[i].ref.start:], dtype=torch.long)
+                for i in live}
         drafts = self._draft_natively([jobs[i] for i in live], [ForwardItem(caches[i], feed[i], 1) for i in live])
         if drafts is not None:
             self.forward_passes += max(jobs[i].gamma for i in live)

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         loop = event_loop.resolve(args.event_loop)
     runner = build_runner(args, "draft_service")
     engine = DraftEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
+    engine.sessions.reuse_prefixes = args.prefix_reuse == "on"
 
     async def run() -> None:
         host = ReplicaHost(args, engine, engine.propose, SERVICE)

@@ -116,6 +116,11 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                          "0 = never [SPECDEC_SESSION_IDLE_SECONDS]")
     ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),
                     help="KV-cache bytes held before LRU eviction, 0 = no limit [SPECDEC_MAX_CACHE_MB]")
+    ap.add_argument("--prefix-reuse", choices=("on", "off"), default=env("PREFIX_REUSE", "on"),
+                    help="on: a new session whose first tokens (at least 16) another held session's cache "
+                         "holds starts from a copy of them instead of computing them again (a shared system "
+                         "prompt, a prompt asked again); off: every session prefills its whole prompt "
+                         "[SPECDEC_PREFIX_REUSE]")
     ap.add_argument("--max-batch", type=int, default=int(env("MAX_BATCH", 64)), help="sessions per engine batch [SPECDEC_MAX_BATCH]")
     ap.add_argument("--batch-wait-ms", type=float, default=float(env("BATCH_WAIT_MS", 5.0)),
                     help="under load, hold a batch up to this long (and half the recent batch time) for "

@@ -19,6 +19,10 @@ BATCH_HOLD_SECONDS = Histogram("specdec_batch_hold_seconds",
                                "Time a batch was held for sessions of the last batches (held batches only)",
                                ["pool"], buckets=LATENCY_BUCKETS)
 EVICTIONS = Counter("specdec_replica_evictions_total", "Idle sessions evicted (LRU)", ["pool"])
+PREFIX_REUSES = Counter("specdec_replica_prefix_reuses_total",
+                        "New sessions started from a copy of another held session's prefix (--prefix-reuse)", ["pool"])
+REUSED_POSITIONS = Counter("specdec_replica_reused_positions_total",
+                           "Prompt positions copied from another session's cache instead of computed", ["pool"])
 EXPIRED = Counter("specdec_replica_sessions_expired_total",
                   "Sessions released after --session-idle-seconds without a call", ["pool"])
 

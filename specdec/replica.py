@@ -57,6 +57,8 @@ class ReplicaHost:
         self._held_seconds = metrics.BATCH_HOLD_SECONDS.labels(self.pool)
         self._evictions = metrics.EVICTIONS.labels(self.pool)
         self._evictions_seen = 0
+        self._reuses = metrics.PREFIX_REUSES.labels(self.pool), metrics.REUSED_POSITIONS.labels(self.pool)
+        self._reuses_seen = (0, 0)
         self.batcher = MicroBatcher(run_batch, max_batch=args.max_batch, on_batch=self._on_batch,
                                     key=lambda job: job.ref.session_id, max_wait_ms=args.batch_wait_ms,
                                     size=lambda job: job.forward_size, inline_up_to=args.inline_tokens)
@@ -105,10 +107,15 @@ class ReplicaHost:
         self._engine_seconds.observe(seconds)
         if held > 0:
             self._held_seconds.observe(held)
-        evictions = self.engine.sessions.evictions
-        if evictions > self._evictions_seen:
-            self._evictions.inc(evictions - self._evictions_seen)
-            self._evictions_seen = evictions
+        table = self.engine.sessions
+        if table.evictions > self._evictions_seen:
+            self._evictions.inc(table.evictions - self._evictions_seen)
+            self._evictions_seen = table.evictions
+        reuses = (table.prefix_reuses, table.reused_positions)
+        if reuses != self._reuses_seen:
+            for counter, now, seen in zip(self._reuses, reuses, self._reuses_seen):
+                counter.inc(now - seen)
+            self._reuses_seen = reuses
 
     def _expire_idle(self) -> None:
         """Sessions idle past --session-idle-seconds released, on the event loop between two

@@ -103,13 +103,15 @@ class TargetEngine:
                 if last[job.ref.session_id] != i:
                     raise CacheMismatch(f"session {job.ref.session_id}: two verifications in one batch")
                 self._check(job)
-                cache, resynced[i] = self.sessions.acquire(job.ref, exact=True, busy=busy)
+                # a new session may start from another's copied prefix, unless every fed row is asked for
+                cache, resynced[i] = self.sessions.acquire(job.ref, exact=True, busy=busy,
+                                                           reuse=not job.fed_logprobs)
             except SpecDecError as exc:
                 results[i] = exc
                 continue
             fed = job.ref.tokens + job.draft_tokens
             cache.write_ids(job.ref.start, fed)
-            tokens = torch.tensor(fed, dtype=torch.long)
+            tokens = torch.tensor(fed[cache.length - job.ref.start:], dtype=torch.long)
             items.append(ForwardItem(cache, tokens, len(tokens) if job.fed_logprobs else len(job.draft_tokens) + 1))
             live.append(i)
         if live:

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         loop = event_loop.resolve(args.event_loop)
     runner = build_runner(args, "target_service")
     engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20, args.verification)
+    engine.sessions.reuse_prefixes = args.prefix_reuse == "on"
 
     async def run() -> None:
         host = ReplicaHost(args, engine, engine.verify, SERVICE)

@@ -26,3 +26,71 @@ def test_sessions_idle_too_long_are_released_in_order_of_last_use(table):
     assert table.expire_idle(10.0, now=time.monotonic() + 11.0) == 2
     assert len(table) == 0 and table.expired == 3
     assert table.expire_idle(10.0) == 0
+
+
+def _fed(table: SessionTable, sid: str, tokens: list[int], epoch: int = 1):
+    """A session created and fed `tokens` through the runner, as an engine feeds a prompt."""
+    import torch
+
+    from specdec.model_runner import ForwardItem
+
+    cache, _ = table.acquire(CacheRef(sid, epoch, 0, tokens), exact=True)
+    skip = cache.length
+    cache.write_ids(0, tokens)
+    table.runner.forward_packed([ForwardItem(cache, torch.tensor(tokens[skip:]), 1)])
+    return cache, skip
+
+
+def test_a_new_session_starts_from_the_longest_prefix_another_cache_holds(draft_model):
+    """Prefix reuse: a copy of the keys, values and ids a held cache has for the prompt's
+    first tokens (never its last token, which the call must feed for its logits), from live
+    sessions and from released ones kept as donors; not below MIN_SHARED tokens, not where
+    the caller or the table says no; and the copy is what feeding those tokens computes."""
+    import torch
+
+    from specdec.sessions import MAX_RETIRED, MIN_SHARED
+
+    table = SessionTable(ModelRunner(draft_model, linear_kernels="aten"), max_sessions=16)
+    base = [(7 * i + 3) % 500 + 10 for i in range(40)]
+    a, skip = _fed(table, "a", base)
+    assert skip == 0 and table.prefix_reuses == 0
+    b, skip = _fed(table, "b", base[:30] + [1, 2, 3])  # shares 30 tokens with a
+    assert skip == 30 and b.length == 33 and (b.ids[:33] == base[:30] + [1, 2, 3]).all()
+    assert torch.equal(b.kv[:, :, :30], a.kv[:, :, :30])
+    fresh = SessionTable(ModelRunner(draft_model, linear_kernels="aten"), reuse_prefixes=False)
+    alone, skip = _fed(fresh, "b", base[:30] + [1, 2, 3])
+    assert skip == 0 and torch.allclose(alone.kv[:, :, :33], b.kv[:, :, :33], atol=1e-5)
+    same, skip = _fed(table, "c", base)  # the same prompt: all but its last token
+    assert skip == len(base) - 1
+    assert table.prefix_reuses == 2 and table.reused_positions == 30 + 39
+    # too short a common prefix, too short a prompt, or reuse refused: computed afresh
+    assert _fed(table, "d", base[:MIN_SHARED - 1] + [1] * 10)[1] == 0
+    assert _fed(table, "e", base[:MIN_SHARED])[1] == 0
+    cache, _ = table.acquire(CacheRef("f", 1, 0, base), exact=True, reuse=False)
+    assert cache.length == 0
+    # released caches stay donors (the last MAX_RETIRED), and the index forgets sessions
+    for sid in ("a", "b", "c", "d", "e", "f"):
+        assert table.release(sid)
+    assert not table._by_head and len(table) == 0 and len(table._retired) == 4  # a to d: e too short, f empty
+    assert _fed(table, "g", base + [9])[1] == len(base)  # c's whole prompt
+    for i in range(MAX_RETIRED + 2):
+        _fed(table, f"h{i}", [1000 + i] * 20)
+        table.release(f"h{i}")
+    assert len(table._retired) == MAX_RETIRED
+    table.release("g")
+    assert table.expire_idle(10.0, now=time.monotonic() + 11.0) == 0 and not table._retired
+
+
+def test_released_donors_go_first_when_the_caches_bytes_are_over(draft_model):
+    runner = ModelRunner(draft_model, linear_kernels="aten")
+    probe = runner.new_cache()
+    table = SessionTable(runner, max_sessions=8, max_cache_bytes=2 * probe.nbytes)  # checked before each new one
+    prompt = list(range(10, 40))
+    _fed(table, "a", prompt)
+    table.release("a")
+    assert len(table._retired) == 1
+    for sid in ("b", "c", "d"):
+        _fed(table, sid, [int(sid, 16)] * 20)
+    assert len(table._retired) == 0 and len(table) == 3 and table.evictions == 0  # the donor went, no session
+    _fed(table, "e", [14] * 20)
+    assert table.evictions == 1 and "b" not in table  # then the least recently used session
