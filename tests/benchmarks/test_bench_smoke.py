@@ -220,3 +220,15 @@ def test_law_probe_times_both_arms_of_every_law_on_the_same_tokens(capsys):
     for row in rows:
         assert all(float(c) > 0 for c in row.strip("|").split("|")[1:])
     assert (sampling.top_p_drop, shaping.native_shaping) == native_ones  # the kernels are back
+
+
+def test_prefix_probe_times_a_first_round_with_and_without_reuse(capsys):
+    from benchmarks import prefix_probe
+
+    assert prefix_probe.main(["--prefix", "40", "--question", "5", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the same tokens either way over 2 sessions" in out  # else it exits naming the session
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| prefix reuse")}
+    assert set(rows) == {"prefix reuse off", "prefix reuse on"}
+    with pytest.raises(SystemExit, match="at least 16"):
+        prefix_probe.main(["--prefix", "8"])
