@@ -29,7 +29,7 @@ from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.governor import LoadGovernor
 from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Opened, Outcome, PromptScores, Proposal,
                                      Round, Stats)
-from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients
+from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients, prefix_affinity
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
@@ -117,8 +117,9 @@ class Generator:
         handle = await self.store.acquire(named, owner, create=not req.session_id) if named else None
         if handle is None:  # a new session
             try:
-                target = await self.pools.require("target")
-                draft = await self.pools.pick("draft") or ""
+                affinity = prefix_affinity(req.prompt_ids)  # where a prompt that begins alike is held
+                target = await self.pools.require("target", affinity=affinity)
+                draft = await self.pools.pick("draft", affinity=affinity) or ""
             except BaseException:
                 if named:  # its lock, taken by `acquire`
                     await self.store.unlock(named, owner)

@@ -1,13 +1,16 @@
 """Clients of the draft and target pools: routing, reused channels, failure marking.
 
 A new session goes to the least-loaded live replica of each pool (load from the
-registry, plus the sessions this process placed since the last heartbeat) and sticks
-there. A replica whose calls fail is avoided at once, before its registry entry expires,
+registry, plus the sessions this process placed since the last heartbeat), or, among those
+nearly as little loaded, to the one its prompt's first tokens hash to (so that prompts that
+begin alike find their prefix held there), and sticks there. A replica whose calls fail is avoided at once, before its registry entry expires,
 unless every replica of its pool is avoided.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import struct
 import time
 
 import grpc
@@ -24,6 +27,21 @@ REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Sta
                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 CACHE_LOST = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 # per pool: the multiplexed RPC, the messages of its calls and of its answers
+# new sessions whose prompts begin alike go where that beginning is held (the replicas'
+# prefix reuse, specdec/sessions.py) unless that replica is this much fuller, as a share of
+# its capacity, than the least loaded one: load decides first, the prefix among near equals
+AFFINITY_SLACK = 0.1
+AFFINITY_TOKENS = 16  # the replicas' MIN_SHARED: shorter prompts are not reused, so not steered
+
+
+def prefix_affinity(prompt_ids: list[int]) -> bytes:
+    """A new session's routing key: its first AFFINITY_TOKENS token ids, or b"" where the
+    prompt is too short for the replicas to reuse."""
+    if len(prompt_ids) <= AFFINITY_TOKENS:
+        return b""
+    return struct.pack(f"<{AFFINITY_TOKENS}q", *prompt_ids[:AFFINITY_TOKENS])
+
+
 MUX_RPCS = {"draft": ("ProposeMux", replica_pb2.ProposeCall, replica_pb2.ProposeCalls, replica_pb2.ProposeAnswers),
             "target": ("VerifyMux", replica_pb2.VerifyCall, replica_pb2.VerifyCalls, replica_pb2.VerifyAnswers)}
 
@@ -133,18 +151,30 @@ class PoolClients:
         # gone leaves the registry by itself (it deregisters, or its entry expires)
         return [r for r in replicas if not self.is_down(r.address)] or replicas
 
-    async def pick(self, kind: str, exclude: set[str] = frozenset()) -> str | None:
-        """Least-loaded live replica of the pool, or None if the pool is empty."""
+    async def pick(self, kind: str, exclude: set[str] = frozenset(), affinity: bytes = b"") -> str | None:
+        """Least-loaded live replica of the pool, or None if the pool is empty. With an
+        `affinity` (`prefix_affinity` of a new session's prompt), the replica that rendezvous
+        hashing ranks first for it among those within AFFINITY_SLACK of the least loaded:
+        sessions whose prompts begin alike meet where that beginning is held, and a replica
+        that comes or goes moves only the prompts it ranked first for."""
         candidates = [r for r in await self.live(kind) if r.address not in exclude]
         if not candidates:
             return None
-        best = min(candidates, key=lambda r: (r.sessions + self._placed.get(r.address, 0)) / max(1, r.capacity))
+
+        def load(r: ReplicaInfo) -> float:
+            return (r.sessions + self._placed.get(r.address, 0)) / max(1, r.capacity)
+        if affinity:
+            least = min(load(r) for r in candidates)
+            near = [r for r in candidates if load(r) <= least + AFFINITY_SLACK]
+            best = max(near, key=lambda r: hashlib.blake2b(affinity + r.address.encode(), digest_size=8).digest())
+        else:
+            best = min(candidates, key=load)
         self._placed[best.address] = self._placed.get(best.address, 0) + 1
         return best.address
 
-    async def require(self, kind: str, exclude: set[str] = frozenset()) -> str:
+    async def require(self, kind: str, exclude: set[str] = frozenset(), affinity: bytes = b"") -> str:
         """`pick`, or Unavailable saying so; `exclude`: the replicas the call has found down."""
-        address = await self.pick(kind, exclude)
+        address = await self.pick(kind, exclude, affinity)
         if address is None:
             beyond = f" beyond the {len(exclude)} that failed this call" if exclude else ""
             raise Unavailable(f"no live {kind} replica is registered in pool {self.pools[kind]!r}{beyond}; "

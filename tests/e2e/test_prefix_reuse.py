@@ -73,3 +73,21 @@ def test_replicas_count_what_they_reuse_and_reuse_nothing_when_told_not_to(stack
             else:
                 assert reused == 0, kind
         assert (fed < whole) if reuse == "on" else (fed == whole)
+
+
+def test_prompts_that_begin_alike_meet_on_one_target_of_two(stack, tokenizer):
+    """With two target replicas, new sessions whose prompts share their start go to the
+    same one (the orchestrator's prefix affinity), which then reuses the prefix."""
+    stack.start_replica("target")
+    stack.wait_registered(1, 2)
+    targets = [r.address for r in live_replicas(stack, "target")]
+    assert len(targets) == 2
+    before = {t: fed(t, "target") for t in targets}
+    stub = api(stack.orchestrator_address)
+    prompts = [SYSTEM + q for q in ("def a():\n", "def b():\n", "class C:\n", "import os\n")]
+    answers = [stub.Generate(request(p, 4, 0.0, gamma=0), timeout=120) for p in prompts]
+    held = {a.stats.target_replica for a in answers}
+    assert len(held) == 1
+    (held,) = held
+    whole = sum(len(tokenizer(p)["input_ids"]) + a.stats.rounds - 1 for p, a in zip(prompts, answers))
+    assert fed(held, "target") - before[held] <= whole - 3 * 16  # three at least started from a copy

@@ -85,3 +85,31 @@ def test_a_call_does_not_try_again_the_replicas_it_found_down(redis_server):
             await client.aclose()
 
     asyncio.run(go())
+
+
+def test_prompts_that_begin_alike_go_to_one_replica_unless_it_is_fuller(redis_server):
+    """Prefix affinity: among replicas within AFFINITY_SLACK of the least loaded, a new
+    session's prompt start picks the same one every time (where the replicas' prefix reuse
+    finds it held); other starts spread over both; a replica fuller than the slack allows
+    is passed over; and a prompt too short to be reused is routed by load alone."""
+    from orchestrator.pools import prefix_affinity
+
+    async def go():
+        pools, client = await pools_over(redis_server.url, A, B)
+        registry = Registry(client, ttl_seconds=30)
+        try:
+            keys = [prefix_affinity(list(range(k, k + 20))) for k in range(24)]
+            firsts = {key: await pools.pick("target", affinity=key) for key in keys}
+            again = {key: await pools.pick("target", affinity=key) for key in keys}
+            to_a = next(key for key, address in firsts.items() if address == A)
+            await registry.register(ReplicaInfo(A, "target", capacity=8, sessions=2))  # 0.25 fuller than B
+            moved = await pools.pick("target", affinity=to_a)
+            return firsts, again, moved
+        finally:
+            await pools.close()
+            await client.aclose()
+
+    firsts, again, moved = asyncio.run(go())
+    assert firsts == again and set(firsts.values()) == {A, B}
+    assert moved == B
+    assert prefix_affinity(list(range(16))) == b"" and len(prefix_affinity(list(range(17)))) == 16 * 8
