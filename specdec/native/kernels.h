@@ -35,6 +35,8 @@ struct Shaping {
   bool penalises() const;
 };
 void shape_logit_rows(float* rows, int64_t n_rows, int64_t vocab, const int64_t* ids, int64_t first, const Shaping& s);
+// TORCH_CHECK that ids[0 .. n) and the shaping's biased and banned tokens lie in 0 .. vocab − 1
+void check_shaping_tokens(const Shaping& s, const int64_t* ids, int64_t n, int64_t vocab, const char* who);
 void bind_shaping(pybind11::module& m);
 // packed_model.cpp: the PackedModel class
 void bind_packed_model(pybind11::module& m);

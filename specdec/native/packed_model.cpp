@@ -245,16 +245,13 @@ class PackedModel {
                 "PackedModel: one shaping and one prefix per item, or none");
     seqs.resize(B);
     for (int64_t b = 0; b < B; b++) {
-      const Shaping& s = shapings[b];
-      if (!s.active()) continue;
-      for (int64_t t : s.bias_ids) TORCH_CHECK(t >= 0 && t < vocab_, "PackedModel: biased token ", t, " is outside the vocabulary");
-      for (int64_t t : s.banned) TORCH_CHECK(t >= 0 && t < vocab_, "PackedModel: banned token ", t, " is outside the vocabulary");
+      if (!shapings[b].active()) continue;
       const auto prefix = prefixes[b].contiguous();
       TORCH_CHECK(prefix.dim() == 1 && prefix.scalar_type() == torch::kLong && prefix.size(0) == starts[b] + lengths[b],
                   "PackedModel: item ", b, "'s prefix must be its ", starts[b] + lengths[b], " ids (int64)");
       const int64_t* p = prefix.data_ptr<int64_t>();
+      check_shaping_tokens(shapings[b], p, prefix.size(0), vocab_, "PackedModel (shaping)");
       seqs[b].assign(p, p + prefix.size(0));
-      for (int64_t t : seqs[b]) TORCH_CHECK(t >= 0 && t < vocab_, "PackedModel: item ", b, "'s prefix has token ", t);
     }
     return seqs;
   }

@@ -83,11 +83,14 @@ void shape_logit_rows(float* rows, int64_t n_rows, int64_t vocab, const int64_t*
   c.clear();
 }
 
-namespace {
-
-void check_ids(const char* name, const std::vector<int64_t>& ids, int64_t vocab) {
-  for (int64_t t : ids) TORCH_CHECK(t >= 0 && t < vocab, name, ": token ", t, " is outside 0..", vocab - 1);
+void check_shaping_tokens(const Shaping& s, const int64_t* ids, int64_t n, int64_t vocab, const char* who) {
+  for (int64_t i = 0; i < n; i++)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, who, ": id ", ids[i], " at ", i, " is outside 0..", vocab - 1);
+  for (int64_t t : s.bias_ids) TORCH_CHECK(t >= 0 && t < vocab, who, ": biased token ", t, " is outside 0..", vocab - 1);
+  for (int64_t t : s.banned) TORCH_CHECK(t >= 0 && t < vocab, who, ": banned token ", t, " is outside 0..", vocab - 1);
 }
+
+namespace {
 
 // logits [rows, vocab] float32 (contiguous, CPU), shaped in place; ids int64 [≥ first + rows − 1]
 void shape_rows(torch::Tensor logits, torch::Tensor ids, int64_t first, const Shaping& s) {
@@ -103,10 +106,7 @@ void shape_rows(torch::Tensor logits, torch::Tensor ids, int64_t first, const Sh
   TORCH_CHECK(ids.size(0) >= needed, "shape_rows: ", ids.size(0), " ids for rows that have seen ", needed);
   ids = ids.contiguous();
   const int64_t* p = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < needed; i++)
-    TORCH_CHECK(p[i] >= 0 && p[i] < vocab, "shape_rows: id ", p[i], " at ", i, " is outside 0..", vocab - 1);
-  check_ids("shape_rows (bias)", s.bias_ids, vocab);
-  check_ids("shape_rows (banned)", s.banned, vocab);
+  check_shaping_tokens(s, p, needed, vocab, "shape_rows");
   shape_logit_rows(logits.data_ptr<float>(), rows, vocab, p, first, s);
 }
 
