@@ -148,11 +148,9 @@ class DraftEngine:
         marked = [row for row, j in enumerate(jobs) if shaping.shapes(j.params)]
         if not marked:
             return logits
-        out = logits.clone()
+        out = logits.float().clone()
         for row in marked:
-            cache = caches[row]
-            out[row:row + 1] = shaping.shaped(logits[row:row + 1], cache.ids, cache.length,
-                                              jobs[row].params).to(out.dtype)
+            shaping.shape_(out[row:row + 1], caches[row].ids, caches[row].length, jobs[row].params)
         return out
 
     @staticmethod

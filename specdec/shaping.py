@@ -41,15 +41,22 @@ def shapes(params: SamplingParams) -> bool:
 def shaped(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams
            ) -> torch.Tensor:
     """[rows, V] logits of one session, the rows predicting positions first .. first+rows-1,
-    its token at each earlier position in `ids` → the shaped rows (float32, a new tensor).
-    In one call of specdec.native's shape_rows where the kernels are loaded (6–9 µs a
-    session; `shaped_by_operators` takes 100–190), with the same arithmetic, so the same bits."""
+    its token at each earlier position in `ids` → the shaped rows (float32, a new tensor)."""
     out = logits.float().clone()
+    shape_(out, ids, first, params)
+    return out
+
+
+def shape_(rows: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams) -> None:
+    """`shaped` in place on float32 rows (a slice of a batch's packed logits, say). In one
+    call of specdec.native's shape_rows where the kernels are loaded and the rows are a
+    contiguous CPU block (6–9 µs a session; `shaped_by_operators` takes 100–190), with the
+    same arithmetic, so the same bits."""
     law = native_shaping(params)
-    if law is not None and out.is_cpu:
-        native.loaded().shape_rows(out, _id_tensor(ids), first, law)
-        return out
-    return shaped_by_operators(out, ids, first, params)
+    if law is not None and rows.is_cpu and rows.is_contiguous():
+        native.loaded().shape_rows(rows, _id_tensor(ids), first, law)
+    else:
+        shaped_by_operators(rows, ids, first, params)
 
 
 def shaped_by_operators(out: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams

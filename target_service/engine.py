@@ -165,13 +165,12 @@ class TargetEngine:
         marked = [b for b, j in enumerate(jobs) if shaping.shapes(j.params)]
         if not marked:
             return logits
-        out = logits.clone()
+        out = logits.float().clone()
         ends = list(accumulate(len(j.draft_tokens) + 1 for j in jobs))
         for b in marked:
             job, rows = jobs[b], len(jobs[b].draft_tokens) + 1
             first = job.ref.start + len(job.ref.tokens)  # the position the first row predicts
-            out[ends[b] - rows:ends[b]] = shaping.shaped(logits[ends[b] - rows:ends[b]], items[b].cache.ids, first,
-                                                         job.params).to(out.dtype)
+            shaping.shape_(out[ends[b] - rows:ends[b]], items[b].cache.ids, first, job.params)
         return out
 
     @staticmethod
