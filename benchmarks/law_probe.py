@@ -19,10 +19,9 @@ import time
 
 import torch
 
-from specdec import native, sampling, shaping
+from specdec import native, rounds, sampling, shaping
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, load_model, load_tokenizer
 from specdec.sampling import SamplingParams
-from specdec.sessions import CacheRef
 
 LAWS = {
     "t = 1": {},
@@ -52,36 +51,34 @@ class Arms:
             j.params.top_k <= 0 and j.params.top_p >= 1.0 and j.params.min_p <= 0.0 for j in jobs))
 
 
-def time_rounds(draft, target, prompt: list[int], law: SamplingParams, sid: str, rounds: int, gamma: int
+def time_rounds(draft, target, prompt: list[int], law: SamplingParams, sid: str, steps: int, gamma: int
                 ) -> tuple[float, float, list[int]]:
-    """Median ms of a proposal and of a verification over `rounds` rounds of a new session,
-    and the tokens those rounds committed."""
+    """Median ms of a proposal and of a verification over `steps` rounds of a new session,
+    and the tokens those rounds committed (each cache fed as specdec.rounds' cursor says)."""
     from draft_service.engine import ProposeJob
     from target_service.engine import VerifyJob
 
-    start, feed, draft_start, draft_feed = 0, prompt, 0, prompt
-    proposals, verifications, committed = [], [], []
-    for _ in range(rounds + 1):  # the first round prefills both caches: not timed
+    context, cur = list(prompt), rounds.Cursor()
+    proposals, verifications = [], []
+    for step in range(steps + 1):  # the first round prefills both caches: not timed
+        m = len(context)
         t0 = time.perf_counter()
-        proposal = draft.propose([ProposeJob(CacheRef(sid, 1, draft_start, draft_feed), gamma, law)])[0]
+        proposal = draft.propose([ProposeJob(rounds.draft_ref(sid, 1, context, cur), gamma, law)])[0]
         t1 = time.perf_counter()
-        verdict = target.verify([VerifyJob(CacheRef(sid, 1, start, feed), proposal.tokens,
+        verdict = target.verify([VerifyJob(rounds.target_ref(sid, 1, context, cur), proposal.tokens,
                                            None if proposal.q is None else proposal.q.double(), law)])[0]
         t2 = time.perf_counter()
         if isinstance(verdict, Exception) or isinstance(proposal, Exception):
             raise SystemExit(f"law_probe: {verdict if isinstance(verdict, Exception) else proposal}")
-        if start:
+        if step:
             proposals.append(t1 - t0)
             verifications.append(t2 - t1)
-        committed += proposal.tokens[:verdict.accepted] + [verdict.next_token]
-        start += len(feed) + verdict.accepted
-        feed = [verdict.next_token]
-        # the draft's cache lacks its last drafted token where the whole draft was kept
-        kept_all = verdict.accepted == len(proposal.tokens)
-        draft_start, draft_feed = (start - 1, [proposal.tokens[-1]] + feed) if kept_all else (start, feed)
+        new = rounds.new_tokens(proposal.tokens, verdict.accepted, verdict.next_token)
+        context += new
+        cur = rounds.advance(cur, m, gamma, verdict.accepted, verdict.cache_length, len(new))
     draft.release(sid)
     target.release(sid)
-    return statistics.median(proposals) * 1e3, statistics.median(verifications) * 1e3, committed
+    return statistics.median(proposals) * 1e3, statistics.median(verifications) * 1e3, context[len(prompt):]
 
 
 def build_parser() -> argparse.ArgumentParser:
