@@ -216,7 +216,8 @@ class Generator:
         failed: set[str] = set()  # the replicas this call found down: not tried again for it
         for _ in range(MAX_ATTEMPTS):
             if not handle.draft_replica:
-                handle.draft_replica = await self.pools.pick("draft", exclude=failed) or ""
+                handle.draft_replica = await self.pools.pick(
+                    "draft", exclude=failed, affinity=prefix_affinity(handle.committed)) or ""
                 handle.cursor.draft_len = 0
                 if not handle.draft_replica:
                     return None
@@ -242,7 +243,8 @@ class Generator:
         failed: set[str] = set()  # the replicas this call found down: not tried again for it
         for _ in range(MAX_ATTEMPTS):
             if not handle.target_replica:
-                handle.target_replica = await self.pools.require("target", exclude=failed)
+                handle.target_replica = await self.pools.require(
+                    "target", exclude=failed, affinity=prefix_affinity(handle.committed))
                 handle.cursor.target_len, handle.cursor.target_resync = 0, True
             try:
                 await self._feed_in_chunks(gen, "target")
@@ -488,7 +490,8 @@ class Generator:
         now and then: a draft may have come back."""
         if not gen.handle.draft_replica and time.monotonic() - gen.last_draft_probe > 1.0:
             gen.last_draft_probe = time.monotonic()
-            gen.handle.draft_replica = await self.pools.pick("draft") or ""
+            gen.handle.draft_replica = await self.pools.pick(
+                "draft", affinity=prefix_affinity(gen.handle.committed)) or ""
             gen.handle.cursor.draft_len = 0
 
     async def _draft(self, gen: Generation, remaining: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.v1 import orchestrator_pb2 as pb
 from tests.e2e.helpers import api, live_replicas, load_report, request, stream
 from tests.e2e.test_pipeline import target_greedy
 
@@ -91,3 +92,31 @@ def test_prompts_that_begin_alike_meet_on_one_target_of_two(stack, tokenizer):
     (held,) = held
     whole = sum(len(tokenizer(p)["input_ids"]) + a.stats.rounds - 1 for p, a in zip(prompts, answers))
     assert fed(held, "target") - before[held] <= whole - 3 * 16  # three at least started from a copy
+
+
+def test_sessions_moved_off_a_killed_target_meet_again_where_their_prefix_is(stack, target_model, tokenizer):
+    """Failover places a moved session by its prompt's start too: two kept sessions sharing
+    a system prompt, whose target is killed, go on together on one of the two left, where
+    the second starts from the first's copy of that prompt."""
+    while len(live_replicas(stack, "target")) < 3:
+        stack.start_replica("target")
+    stack.wait_registered(1, 3)
+    stub = api(stack.orchestrator_address)
+    prompts = [SYSTEM + q for q in ("def e():\n", "def f():\n")]
+    firsts = [stub.Generate(request(p, 4, 0.0, gamma=0, keep_session=True), timeout=120) for p in prompts]
+    (held,) = {a.stats.target_replica for a in firsts}
+    stack.kill(next(r for r in live_replicas(stack, "target") if r.address == held))
+    others = [r.address for r in live_replicas(stack, "target")]
+    before = {t: fed(t, "target") for t in others}
+    seconds = [stub.Generate(request("", 4, 0.0, gamma=0, session_id=a.session_id, keep_session=True), timeout=120)
+               for a in firsts]
+    (moved,) = {a.stats.target_replica for a in seconds}
+    assert moved in others
+    contexts = [tokenizer(p)["input_ids"] + list(a.token_ids) for p, a in zip(prompts, firsts)]
+    for context, got in zip(contexts, seconds):
+        assert list(got.token_ids) == target_greedy(target_model, context, 4, tokenizer.eos_token_id)
+    # each whole context and its rounds' tokens, less at least 16 of the second's (a copy)
+    whole = sum(len(c) + a.stats.rounds - 1 for c, a in zip(contexts, seconds))
+    assert fed(moved, "target") - before[moved] <= whole - 16
+    for a in seconds:
+        stub.EndSession(pb.EndSessionRequest(session_id=a.session_id), timeout=30)
