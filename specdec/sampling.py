@@ -192,11 +192,24 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """[..., V] logits → [..., V] float32 probabilities under temperature, top-k, top-p,
     min-p, in that order (as transformers' and vLLM's samplers apply them).
 
-    Greedy gives a one-hot of the argmax, so one acceptance rule serves both modes.
+    Greedy gives a one-hot of the argmax, so one acceptance rule serves both modes. A
+    sampled law is one call of specdec.native's law_rows on a CPU where the kernels are
+    loaded (the same bits as `logits_to_probs_torch`, for a fraction of its operators' cost),
+    else those operators.
     """
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, argmax_rows(logits).unsqueeze(-1), 1.0)
+    kernels = native.loaded()
+    if kernels is not None and logits.is_cpu:
+        return kernels.law_rows(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    return logits_to_probs_torch(logits, params)
+
+
+def logits_to_probs_torch(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`logits_to_probs` of a sampled law by torch's operators: any device, and the native
+    law's reference."""
+    logits = logits.float()
     if params.temperature != 1.0:  # x / 1 is x: skip an operator over the whole vocabulary
         logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:

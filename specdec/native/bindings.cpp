@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_verdicts", &block_verdicts, nogil,
         "the block rule's kept lengths, recovery tokens and weights, as target_service's sampled verdicts");
   m.def("top_p_drop", &top_p_drop, nogil, "the tokens top-p truncation drops, as specdec.sampling.top_p_drop_torch");
+  m.def("law_rows", &law_rows, nogil,
+        "temperature, top-k, top-p and min-p over rows of logits, as specdec.sampling.logits_to_probs_torch");
   m.def("residual_masses", &residual_masses, nogil, "the block rule's residual masses, as specdec.sampling.residual_mass");
   m.def("decode_fp16_rows", &decode_fp16_rows, "dense fp16 draft distributions as normalised float64 rows, as specdec.wire.decode");
   m.def("encode_fp16_rows", &encode_fp16_rows,

@@ -22,6 +22,10 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // top_p.cpp: the tokens top-p truncation drops, [..., vocab] bool (specdec.sampling.top_p_drop)
 torch::Tensor top_p_drop(torch::Tensor probs, double top_p);
+// and those tokens' probabilities set to 0 in place (probs contiguous)
+void top_p_zero_(torch::Tensor probs, double top_p);
+// law_rows.cpp: a sampled law over rows of float32 logits (specdec.sampling.logits_to_probs)
+torch::Tensor law_rows(torch::Tensor logits, double temperature, int64_t top_k, double top_p, double min_p);
 // shape_rows.cpp: one request's logit shaping (specdec.shaping), and its application to a
 // session's rows, row r predicting position first + r after ids[0 .. first + r)
 struct Shaping {

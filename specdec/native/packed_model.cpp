@@ -89,7 +89,7 @@ class PackedModel {
   }
 
   // A sampled draft of gammas[b] tokens per item, all steps in this one call, as DraftEngine's
-  // step loop draws under one law: each step's logits through `law` (temperature, top-k,
+  // step loop draws under one law: each step's logits through `law_rows` (temperature, top-k,
   // top-p, min-p), rounded to fp16 (wire.quantize: what the target will be sent), and the
   // token drawn from those values with uniforms[b, step] (sampling.sample_from's draw). The
   // same operators on the same rows, and the same draw, so the tokens and q are the loop's
@@ -116,7 +116,8 @@ class PackedModel {
     std::vector<double> cdf(vocab_);
     auto tokens = draft_steps(ids, caches, starts, lengths, gammas, G, shapings, prefixes,
                               [&](torch::Tensor logits, const std::vector<int64_t>& live, int64_t step) {
-      const auto q16 = law(logits, temperature, top_k, top_p, min_p).to(torch::kHalf).to(torch::kFloat).contiguous();
+      const auto law = law_rows(logits.to(torch::kFloat32), temperature, top_k, top_p, min_p);
+      const auto q16 = law.to(torch::kHalf).to(torch::kFloat).contiguous();
       const float* rows = q16.data_ptr<float>();
       std::vector<int64_t> drawn(live.size());
       for (size_t r = 0; r < live.size(); r++) {
@@ -153,26 +154,6 @@ class PackedModel {
   }
 
  private:
-  // specdec.sampling.logits_to_probs for sampled rows, operator for operator (top-p's mask
-  // by top_p.cpp, which is that of its sort): the same bits
-  static torch::Tensor law(torch::Tensor logits, double temperature, int64_t top_k, double top_p, double min_p) {
-    if (temperature != 1.0) logits = logits.div(temperature);
-    if (top_k > 0 && top_k < logits.size(-1)) {
-      const auto kth = std::get<0>(logits.topk(top_k, -1)).narrow(-1, top_k - 1, 1);
-      logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
-    }
-    auto probs = torch::softmax(logits, -1);
-    if (top_p < 1.0) {
-      probs = probs.masked_fill(top_p_drop(probs, top_p), 0.0);
-      probs = probs / probs.sum(-1, true);
-    }
-    if (min_p > 0.0) {
-      probs = probs.masked_fill(probs < probs.amax(-1, true) * min_p, 0.0);
-      probs = probs / probs.sum(-1, true);
-    }
-    return probs;
-  }
-
   static int64_t longest_draft(const std::vector<int64_t>& gammas, int64_t items, const char* name) {
     TORCH_CHECK(static_cast<int64_t>(gammas.size()) == items, "PackedModel.", name, ": one γ per item");
     int64_t G = 0;

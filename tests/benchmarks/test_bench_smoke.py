@@ -222,6 +222,18 @@ def test_law_probe_times_both_arms_of_every_law_on_the_same_tokens(capsys):
     assert (sampling.top_p_drop, shaping.native_shaping) == native_ones  # the kernels are back
 
 
+def test_law_probe_alone_times_each_law_both_ways_and_refuses_bad_rows(capsys):
+    from benchmarks import law_probe
+
+    assert law_probe.main(["--alone", "--rows", "1,3", "--rounds", "1"]) == 0
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "operators" not in line]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(name, n) for n in (1, 3) for name in law_probe.ALONE_LAWS]
+    assert all(float(c) > 0 for r in rows for c in r[2:])
+    with pytest.raises(SystemExit, match="--rows"):
+        law_probe.main(["--alone", "--rows", "0"])
+
+
 def test_prefix_probe_times_a_first_round_with_and_without_reuse(capsys):
     from benchmarks import prefix_probe
 

@@ -1,7 +1,8 @@
 """specdec.native's sample_rows, residual_masses and rms_norm: the native draw picks exactly
 the token that sampling's torch path picks for the same probabilities and uniform, including
 the floating tie that lands on a trailing zero; the native residual masses are the torch
-path's sums to the bit; and the native final norm computes torch's."""
+path's sums to the bit; the native final norm computes torch's; and the native top-p mask
+and sampled law are the operators' to the bit."""
 import math
 
 import pytest
@@ -154,3 +155,41 @@ def test_the_nucleus_is_the_smallest_set_of_the_likeliest_tokens_reaching_top_p(
     assert kept(0.5) == [[0, 0], [0, 3], [1, 0]]  # the tie at 0.25: the lower id first
     assert kept(0.625) == [[0, 0], [0, 3], [1, 0], [1, 2]]
     assert kept(0.9) == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 2], [1, 3]]
+
+
+def _law_logits(trial: int, vocab: int, rows: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(trial)
+    x = torch.randn(rows, vocab, generator=gen) * (0.5 + 6 * torch.rand(1, generator=gen))
+    if trial % 5 == 0:
+        x = x.round()  # ties: at the kth value, at the nucleus' edge, at min-p's threshold
+    if trial % 7 == 0:
+        x[:, 1::3] = float("-inf")  # banned tokens (min_tokens, a bias of −∞), never all
+    return x
+
+
+def test_the_native_law_is_the_operators_to_the_bit(kernels):
+    """specdec.native's law_rows = logits_to_probs_torch's operators, every bit, over 480
+    mixtures of temperature, top-k, top-p and min-p on rows of 1 to 4,096 tokens with ties
+    and banned tokens; and logits_to_probs takes it once loaded."""
+    for trial in range(480):
+        vocab = (4096, 50, 7, 1)[trial % 4]
+        x = _law_logits(trial, vocab, 1 + trial % 6)
+        params = sampling.SamplingParams(
+            temperature=(1.0, 0.7, 1.3, 0.05)[trial % 4], top_k=(0, 1, 5, 50, vocab)[trial % 5],
+            top_p=(1.0, 0.9, 0.5, 0.999)[trial % 4] if trial % 3 else 1.0, min_p=(0.0, 0.05, 0.3)[trial % 3])
+        want = sampling.logits_to_probs_torch(x, params)
+        got = kernels.law_rows(x, params.temperature, params.top_k, params.top_p, params.min_p)
+        assert torch.equal(got, want), (trial, params)
+        assert torch.equal(sampling.logits_to_probs(x, params), want)
+    one = _law_logits(3, 4096, 1)[0]  # a 1-D row keeps its shape
+    assert torch.equal(kernels.law_rows(one, 0.8, 40, 0.9, 0.1), sampling.logits_to_probs_torch(
+        one, sampling.SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.1)))
+
+
+def test_the_native_law_refuses_what_is_not_a_law(kernels):
+    x = torch.randn(2, 16)
+    for args, says in [((x.double(), 1.0, 0, 1.0, 0.0), "float32"), ((x, 0.0, 0, 1.0, 0.0), "temperature"),
+                       ((x, 1.0, 0, 0.0, 0.0), "top_p"), ((x, 1.0, 0, 1.0, 1.5), "min_p"),
+                       ((torch.empty(2, 0), 1.0, 0, 1.0, 0.0), "empty")]:
+        with pytest.raises(RuntimeError, match=says):
+            kernels.law_rows(*args)
