@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default="t1:1:e", help="mode:streams:system runs per round, comma-separated "
                     "(system d = fixed γ 4, e = adaptive, f = target only; default t1:1:e)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all arms (default 3)")
+    ap.add_argument("--drafts", type=int, default=1,
+                    help="draft replicas (default 1; 0: an empty draft pool, say prompt lookup against "
+                         "target-only: --arm lookup= --arm off='--prompt-lookup off')")
     ap.add_argument("--draft-flags", default="", help="flags for the draft replica, shared by every arm "
                     "(e.g. '--max-batch 1': an undersized draft pool)")
     ap.add_argument("--target-flags", default="", help="flags for the target replica, shared by every arm")
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--fields names arms that are not given with --arm: {', '.join(sorted(unknown))}")
     if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens) < 1:
         raise SystemExit("--rounds, --prompts, --per-stream and --max-new-tokens must be at least 1")
+    if not 0 <= args.drafts <= 4:
+        raise SystemExit(f"--drafts must lie in 0..4, got {args.drafts}")
     from training.corpus import heldout_prompts
 
     tok = load_tokenizer(args.target)
@@ -124,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start_redis()
         stack.start_replica("target", wait=False, extra=shlex.split(args.target_flags))
-        stack.start_replica("draft", wait=False, extra=shlex.split(args.draft_flags))
+        for _ in range(args.drafts):
+            stack.start_replica("draft", wait=False, extra=shlex.split(args.draft_flags))
         addresses = {name: stack.start_orchestrator(wait=False, extra=flags).address for name, flags in arms}
-        stack.wait_all(1, 1)
+        stack.wait_all(args.drafts, 1)
         results = asyncio.run(alternate(addresses, prompt_ids, runs, args.rounds, args.per_stream,
                                         args.max_new_tokens, args.warm_up, fields))
     finally:

@@ -392,6 +392,13 @@ class CostModel:
             draft = self._calibrated(self.draft_by_gamma, self._model_draft, gamma)
         return verify if gamma == 0 else draft + verify
 
+    def verify_round_ms(self, gamma: int) -> float:
+        """`round_ms` of a round with no draft call (a prompt lookup's, orchestrator/ngram.py):
+        its verification, and while alone the loop's own overhead."""
+        if not self.alone:
+            return self._loaded_verify(gamma)
+        return self._calibrated(self.verify_by_gamma, self._model_verify, gamma) + self.round_overhead.get(0.0)
+
     def round_table(self, max_gamma: int) -> list[float]:
         """`round_ms` of γ = 0 .. max_gamma (at least), as a choice reads them: recomputed
         once `TABLE_REFRESH` calls have been observed since, or when the load regime

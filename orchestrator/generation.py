@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import grpc
 
-from orchestrator import request_ids, round_book
+from orchestrator import ngram, request_ids, round_book
 from orchestrator.draft_waits import DraftWaits
 from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.governor import LoadGovernor
@@ -87,7 +87,8 @@ class Generator:
                  calls: str = "mux", overlap_forks: int = OVERLAP_FORKS,
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
                  governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
-                 prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S,
+                 lookup: bool = True) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -103,6 +104,7 @@ class Generator:
         self.prefill_chunk = prefill_chunk  # tokens a call feeds at most before the round's own (0: no limit)
         self.retry_window = retry_window  # seconds a request id's whole answer stays for its retries
         self.waits = DraftWaits(draft_wait)
+        self.lookup = lookup  # greedy sessions no draft replica serves draft by prompt lookup (ngram.py)
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
                                    overlap_min_hit, overlap_min_use, overlap_forks)
@@ -414,6 +416,7 @@ class Generator:
                 remaining = req.max_new_tokens - len(generated)
                 if pre is not None:
                     draft_tokens, dists, gamma, gen.runner_ups, gen.line = pre
+                    gen.looked_up = False
                 else:
                     draft_tokens, dists, gamma = await self._draft(gen, remaining, m)
                 ahead = self.predraft.start(gen, draft_tokens, gamma, remaining, m)
@@ -429,7 +432,8 @@ class Generator:
                     await pending  # rounds are committed and streamed in order
                 book = Round(gamma, verdict.accepted, tuple(verdict.keep_chances), len(new), active,
                              gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
-                             gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls))
+                             gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls),
+                             gen.looked_up)
                 gen.calls.clear()
                 release, pending = self._end_round(gen, book, new, out_text, scores, emit,
                                                    first=len(generated) == len(opened.resumed) + len(new))
@@ -499,9 +503,11 @@ class Generator:
         """This round's proposal → (draft tokens, their distributions or None, γ); γ = 0
         (target-only) when the policy says so or no draft replica can serve."""
         ready = gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)
-        want = gen.policy.choose(self.costs) if ready else 0
-        gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
-        gen.runner_ups, gen.line = None, None
+        gen.runner_ups, gen.line, gen.looked_up = None, None, False
+        if not ready:
+            draft = self._look_up(gen, remaining, m)
+            return draft, None, len(draft)
+        gamma = rounds.plan_gamma(gen.policy.choose(self.costs), remaining, m, self.max_len)
         if gamma == 0:
             return [], None, 0
         # a long feed goes in chunks (`_feed_in_chunks`), a call each, and each call gets the wait
@@ -518,6 +524,25 @@ class Generator:
         gen.runner_ups = list(prop.runner_ups) or None
         dists = prop.distributions if prop.HasField("distributions") else None
         return list(prop.draft_tokens), dists, len(prop.draft_tokens)  # the confidence stop may have cut it
+
+    def _look_up(self, gen: Generation, remaining: int, m: int) -> list[int]:
+        """A greedy round that no draft replica drafts (none registered, its draft late, or
+        the load governor has turned drafting off) drafts by prompt lookup, where the
+        request leaves γ open (the session's LookupPolicy prices it) or fixes one above 0;
+        → the draft, or [] (target-only). Sets `gen.looked_up`; the caller takes γ from the
+        draft's length."""
+        policy = gen.policy
+        if not (self.lookup and policy.greedy and policy.fixed != 0):
+            return []
+        want = policy.fixed if policy.fixed is not None else gen.lookup.choose(self.costs, ngram.LOOKUP_GAMMA)
+        gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
+        if gamma == 0:
+            return []
+        if gen.ngram is None:
+            gen.ngram = ngram.NgramIndex()
+        draft = gen.ngram.propose(gen.handle.committed, gamma)
+        gen.looked_up = bool(draft)
+        return draft
 
     async def _verify_round(self, gen: Generation, draft_tokens: list[int],
                             dists: replica_pb2.DraftDistributions | None, ahead: Ahead | None):
@@ -545,14 +570,20 @@ class Generator:
                 new, reason = new[:kept], "stop"
         handle = gen.handle
         handle.committed.extend(new)
-        handle.cursor = rounds.advance(handle.cursor, m, gamma, verdict.accepted, verdict.cache_length, len(new))
+        # a looked-up draft never reached the draft replica's cache: it stays where it was
+        handle.cursor = rounds.advance(handle.cursor, m, 0 if gen.looked_up else gamma, verdict.accepted,
+                                       verdict.cache_length, len(new))
         if gen.line is not None:  # this round's draft was a fork's: the draft's cache lacks it
             handle.cursor.draft_len = min(handle.cursor.draft_len, gen.line)
         # a seeded session's policy counts its kept length, a function of its own tokens
         # only, so that the same request yields the same rounds; others learn from the
         # target's keep chances of a sampled draft (gamma_policy.keep_chances)
         gen.stats.observe(gamma, verdict.accepted)
-        gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
+        if gen.looked_up:
+            gen.stats.looked_up += gamma
+            gen.lookup.observe(gamma, verdict.accepted)
+        else:  # the policy learns the draft replica's acceptance, not the lookup's
+            gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
         if gen.keeps_policy:  # committed with the round, for a retry to go on from
             handle.policy = gen.policy.snapshot()
         if log.isEnabledFor(logging.DEBUG):  # a round's trace (--log-level DEBUG), for comparing two runs

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from orchestrator.gamma_policy import SessionPolicy
+from orchestrator.ngram import LookupPolicy, NgramIndex
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
 from specdec.internal.v1 import replica_pb2
@@ -53,6 +54,7 @@ class Stats(LoopStats):
     started: float = 0.0  # perf_counter at the request's start
     first_token_ms: float = 0.0  # from the start until the first tokens were handed to the client (0: none yet)
     resumed: int = 0  # the answer's tokens earlier attempts of the same request_id committed
+    looked_up: int = 0  # of `drafted`, the tokens prompt lookup proposed (orchestrator/ngram.py)
 
 
 @dataclass
@@ -108,6 +110,9 @@ class Generation:
     # where this round's draft came from a fork: how far the draft replica's own cache still
     # holds the committed tokens (None: it holds the draft too, up to its last token)
     line: int | None = None
+    looked_up: bool = False  # this round's draft came from prompt lookup (orchestrator/ngram.py), not a draft replica
+    ngram: NgramIndex | None = None  # the session's prompt-lookup index, made at its first lookup
+    lookup: LookupPolicy = field(default_factory=LookupPolicy)  # its lookups' length
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
     calls: list["Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping
@@ -215,3 +220,4 @@ class Round:
     calls_ms: float  # of which in its two calls
     plain: bool  # its own calls only, past the prefill: a measure of the loop's overhead
     calls: tuple[Call, ...]
+    looked_up: bool = False  # its draft came from prompt lookup: no draft's acceptance to learn from

@@ -17,7 +17,11 @@ def record_round(costs: CostModel, governor: LoadGovernor, gen: Generation, book
     policy = gen.policy
     for call in book.calls:
         note_call(costs, gen.stats, call)
-    costs.observe_acceptance(policy.greedy, book.gamma, book.accepted, book.chances)
+    if book.looked_up:  # not the draft replicas' acceptance, which the γ policy prices
+        metrics.LOOKUP_DRAFTED.inc(book.gamma)
+        metrics.LOOKUP_ACCEPTED.inc(book.accepted)
+    else:
+        costs.observe_acceptance(policy.greedy, book.gamma, book.accepted, book.chances)
     if book.plain:
         costs.observe_round_overhead(book.seconds * 1000 - book.calls_ms, book.calls_ms)
     if gen.governed:
@@ -25,7 +29,7 @@ def record_round(costs: CostModel, governor: LoadGovernor, gen: Generation, book
                          book.rounds_in_mode)
     metrics.ROUNDS.inc()
     metrics.GAMMA.observe(book.gamma)
-    if book.gamma:
+    if book.gamma and not book.looked_up:
         metrics.DRAFTED.inc(book.gamma)
         metrics.ACCEPTED.inc(book.accepted)
         metrics.ACCEPTED_LENGTH.observe(book.accepted)

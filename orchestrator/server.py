@@ -48,6 +48,7 @@ def stats_pb(out: Outcome) -> pb.GenerationStats:
         draft_replica=out.draft_replica, target_replica=out.target_replica,
         mean_gamma=s.gamma_sum / s.rounds if s.rounds else 0.0, replica_failovers=s.failovers,
         wire_bytes=s.wire_bytes, overlap_hits=s.overlap_hits, rounds_rejected=s.rejections, resumed_tokens=s.resumed,
+        lookup_drafted_tokens=s.looked_up,
         times=pb.StageTimes(draft_ms=s.draft_ms, verify_ms=s.verify_ms, redis_ms=s.redis_ms,
                             network_ms=s.network_ms, total_ms=out.total_ms, first_token_ms=s.first_token_ms))
 
@@ -356,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "A stalled draft replica then costs a generation this wait, not the stall; 0 = wait "
                          "for the call's whole timeout. Seeded sampled requests always wait (they must "
                          "reproduce) [SPECDEC_DRAFT_WAIT_MS]")
+    ap.add_argument("--prompt-lookup", choices=("on", "off"), default=env("PROMPT_LOOKUP", "on"),
+                    help="greedy sessions that no draft replica serves (an empty or failed draft pool, a late "
+                         "draft) draft by prompt lookup instead of decoding target-only: the tokens that "
+                         "followed the latest earlier occurrence of the context's last 2-3 tokens, verified "
+                         "as any draft, so the answer is the same (default on) [SPECDEC_PROMPT_LOOKUP]")
     ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "frames"),
                     help="how generations call the pools: frames (default: one stream per replica shared by "
                          "every generation, the calls of one moment in one message, over the replica's frame link, "
@@ -399,7 +405,8 @@ async def serve(args: argparse.Namespace) -> None:
                           calls=args.internal_calls,
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
                           call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
-                          prefill_chunk=args.prefill_chunk, retry_window=args.retry_window)
+                          prefill_chunk=args.prefill_chunk, retry_window=args.retry_window,
+                          lookup=args.prompt_lookup == "on")
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
     add_servicer(servicer, shell.server)

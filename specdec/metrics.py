@@ -41,6 +41,9 @@ TOKENS = Counter("specdec_generated_tokens_total", "Tokens generated")
 ROUNDS = Counter("specdec_rounds_total", "Speculation rounds")
 DRAFTED = Counter("specdec_drafted_tokens_total", "Draft tokens proposed")
 ACCEPTED = Counter("specdec_accepted_tokens_total", "Draft tokens accepted")
+LOOKUP_DRAFTED = Counter("specdec_lookup_drafted_tokens_total",
+                         "Tokens proposed by prompt lookup for greedy sessions no draft replica served")
+LOOKUP_ACCEPTED = Counter("specdec_lookup_accepted_tokens_total", "Of those, tokens the target kept")
 ACCEPTED_LENGTH = Histogram("specdec_accepted_length", "Draft tokens accepted per round",
                             buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
 ACCEPT_AT_POSITION = Counter("specdec_accepted_at_position_total",

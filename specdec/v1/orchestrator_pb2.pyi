@@ -114,7 +114,7 @@ class StageTimes(_message.Message):
     def __init__(self, draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., redis_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "target_forward_passes", "acceptance_rate", "tokens_per_target_pass", "prompt_tokens", "generated_tokens", "times", "seed", "draft_replica", "target_replica", "mean_gamma", "replica_failovers", "wire_bytes", "overlap_hits", "rounds_rejected", "resumed_tokens")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "target_forward_passes", "acceptance_rate", "tokens_per_target_pass", "prompt_tokens", "generated_tokens", "times", "seed", "draft_replica", "target_replica", "mean_gamma", "replica_failovers", "wire_bytes", "overlap_hits", "rounds_rejected", "resumed_tokens", "lookup_drafted_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class GenerationStats(_message.Message):
     OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
@@ -151,7 +152,8 @@ class GenerationStats(_message.Message):
     overlap_hits: int
     rounds_rejected: int
     resumed_tokens: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_target_pass: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., seed: _Optional[int] = ..., draft_replica: _Optional[str] = ..., target_replica: _Optional[str] = ..., mean_gamma: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., rounds_rejected: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    lookup_drafted_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_target_pass: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., seed: _Optional[int] = ..., draft_replica: _Optional[str] = ..., target_replica: _Optional[str] = ..., mean_gamma: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., rounds_rejected: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., lookup_drafted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "session_id", "finish_reason", "stats", "logprobs", "prompt_logprobs")

@@ -92,7 +92,7 @@ def test_replica_stopped_mid_stream_hands_its_sessions_over(stack, kind):
     assert_failover_is_invisible(streams.join(), expected, stopped, affected, kind)
 
 
-def test_empty_draft_pool_falls_back_to_target_only_and_recovers(stack):
+def test_empty_draft_pool_falls_back_to_prompt_lookup_and_recovers(stack):
     ensure(stack, "draft", 1)
     stub = api(stack.orchestrator_address)
     expected = references(stub)
@@ -103,18 +103,27 @@ def test_empty_draft_pool_falls_back_to_target_only_and_recovers(stack):
     for result, want in zip(streams.join(), expected):
         assert not isinstance(result, grpc.RpcError), f"a stream failed: {result.code()} {result.details()}"
         assert result[0] == want
+    # greedy sessions draft by prompt lookup meanwhile (orchestrator/ngram.py): the same answers
     after = stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=120)
     assert list(after.token_ids) == expected[0]
-    assert after.stats.drafted_tokens == 0 and after.stats.draft_replica == ""
+    assert after.stats.draft_replica == ""
+    assert after.stats.lookup_drafted_tokens == after.stats.drafted_tokens > 0
+    assert after.stats.target_forward_passes < NEW_TOKENS  # the lookups kept tokens
+    # sampled sessions and a request for target-only decode target-only
+    for req in (request(PROMPTS[0], 24, 1.0, seed=3), request(PROMPTS[0], 24, 0.0, gamma=0)):
+        assert stub.Generate(req, timeout=120).stats.drafted_tokens == 0
+    fixed = stub.Generate(request(PROMPTS[2], NEW_TOKENS, 0.0, gamma=2), timeout=120)
+    assert list(fixed.token_ids) == expected[2] and fixed.stats.mean_gamma <= 2
 
     fresh = stack.start_replica("draft")
     deadline = time.monotonic() + 10
     while True:
         resumed = stub.Generate(request(PROMPTS[1], 24, 0.0), timeout=120)
-        if resumed.stats.drafted_tokens > 0 or time.monotonic() > deadline:
+        if resumed.stats.draft_replica or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert resumed.stats.drafted_tokens > 0, "speculation did not resume with a draft replica back"
+    assert resumed.stats.drafted_tokens > resumed.stats.lookup_drafted_tokens, \
+        "speculation did not resume with a draft replica back"
     assert resumed.stats.draft_replica == fresh.address
     assert list(resumed.token_ids) == expected[1][:24]
 

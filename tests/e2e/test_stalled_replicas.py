@@ -39,7 +39,8 @@ BOUND_S = 12.0
 CALL_MODES = ("frames", "stream")  # the default, and a generation's own stream to each replica
 CALL_TIMEOUT_S = 2.0
 ORCHESTRATORS = {  # name → flags
-    "frames": [], "stream": ["--internal-calls", "stream"], "short": ["--call-timeout", str(CALL_TIMEOUT_S)]}
+    "frames": [], "stream": ["--internal-calls", "stream"], "short": ["--call-timeout", str(CALL_TIMEOUT_S)],
+    "no-lookup": ["--prompt-lookup", "off"]}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def speculating_again(stub, prompt: str, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while True:
         r = stub.Generate(request(prompt, NEW_TOKENS, 0.0), timeout=60)
-        if r.stats.drafted_tokens > 0 or time.monotonic() > deadline:
+        if r.stats.drafted_tokens > r.stats.lookup_drafted_tokens or time.monotonic() > deadline:
             return r
         time.sleep(0.2)
 
@@ -90,22 +91,39 @@ def test_a_paused_draft_costs_a_generation_the_wait_not_the_pause(stack, mode):
     [draft] = live_replicas(stack, "draft")
     expected = {p: list(stub.Generate(request(p, NEW_TOKENS, 0.0, gamma=0), timeout=60).token_ids) for p in PROMPTS}
     assert stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=60).stats.drafted_tokens > 0
-    before = late_calls()
+    before, looked_up = late_calls(), lookups(stack, mode)
     with paused(draft):
         t0 = time.monotonic()
         for prompt in PROMPTS[:2]:
             r = stub.Generate(request(prompt, NEW_TOKENS, 0.0), timeout=60)
-            assert list(r.token_ids) == expected[prompt], "target-only rounds changed the greedy output"
+            assert list(r.token_ids) == expected[prompt], "rounds without the draft changed the greedy output"
             assert r.stats.draft_replica == draft.address  # the replica was picked, not missing from the pool
-            assert r.stats.drafted_tokens == 0
+            assert r.stats.drafted_tokens == r.stats.lookup_drafted_tokens  # prompt lookup's only
+            looked_up += r.stats.lookup_drafted_tokens
         took = time.monotonic() - t0
         late = late_calls() - before
+    assert lookups(stack, mode) == looked_up  # the orchestrator's counter
     assert took < BOUND_S, f"two generations took {took:.1f}s beside a paused draft replica"
     # the second generation skipped the replica that still owed the first its call
     assert late == 1
     r = speculating_again(stub, PROMPTS[2])
-    assert r.stats.drafted_tokens > 0, "speculation did not come back once the draft replica answered"
+    assert r.stats.drafted_tokens > r.stats.lookup_drafted_tokens, \
+        "speculation did not come back once the draft replica answered"
     assert list(r.token_ids) == expected[PROMPTS[2]]
+
+
+def lookups(stack, name: str) -> float:
+    return scrape_metrics(stack.metrics_ports[name]).get("specdec_lookup_drafted_tokens_total", 0.0)
+
+
+def test_without_prompt_lookup_a_paused_draft_leaves_rounds_target_only(stack):
+    stub, late_calls = orchestrator(stack, "no-lookup")
+    [draft] = live_replicas(stack, "draft")
+    want = list(stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0, gamma=0), timeout=60).token_ids)
+    with paused(draft):
+        r = stub.Generate(request(PROMPTS[0], NEW_TOKENS, 0.0), timeout=60)
+    assert list(r.token_ids) == want and r.stats.drafted_tokens == 0
+    assert lookups(stack, "no-lookup") == 0
 
 
 def test_a_draft_paused_mid_stream_leaves_the_stream_on_target_only(stack):
@@ -125,7 +143,8 @@ def test_a_draft_paused_mid_stream_leaves_the_stream_on_target_only(stack):
     assert late_calls() - before == 1, "the stream was not left waiting on its paused draft"
     assert last.stats.drafted_tokens > 0 and last.stats.replica_failovers == 0
     assert took < BOUND_S
-    assert speculating_again(stub, PROMPTS[0]).stats.drafted_tokens > 0
+    again = speculating_again(stub, PROMPTS[0]).stats
+    assert again.drafted_tokens > again.lookup_drafted_tokens
 
 
 def test_a_seeded_sampled_request_waits_for_its_draft_and_reproduces(stack):
