@@ -119,6 +119,7 @@ class StackClient:
             res.add_request([t for rnd in per_round for t in rnd], ms)
             res.rounds += s.rounds
             res.drafted += s.drafted_tokens
+            res.looked_up += s.lookup_drafted_tokens
             res.accepted += s.accepted_tokens
             res.target_passes += s.target_forward_passes
             res.overlap_hits += s.overlap_hits

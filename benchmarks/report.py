@@ -115,7 +115,11 @@ LIKE_RUNS_GAMMA = 0.1  # an adaptive run below this mean γ decoded target-only 
 def _like_runs_note(e: RunResult | None) -> str:
     """Where the governor kept (e) off speculation, (e) and (f) ran the same rounds, and
     their ratio says how far two like runs differ here, not what speculation gains or loses."""
-    if e is None or e.gamma is None or e.gamma >= LIKE_RUNS_GAMMA:
+    if e is None or e.gamma is None:
+        return ""
+    if e.gamma >= LIKE_RUNS_GAMMA:
+        if e.looked_up and e.drafted:  # the governor turned drafting off, prompt lookup drafted
+            return f"(e): {e.looked_up / e.drafted:.0%} of its drafted tokens by prompt lookup"
         return ""
     return f"(e) at mean γ {e.gamma:.2f}: target-only rounds, as (f); the ratio is the spread of two like runs"
 

@@ -77,6 +77,7 @@ class RunResult:
     outputs: list[list[int]] = field(default_factory=list)  # per request, in request order
     rounds: int = 0
     drafted: int = 0
+    looked_up: int = 0  # of drafted, the tokens prompt lookup proposed (orchestrator/ngram.py)
     accepted: int = 0
     tried: int | None = None  # tokens tried until the first rejection; None when unknown
     target_passes: int = 0
@@ -157,6 +158,7 @@ def merge(parts: list[RunResult]) -> RunResult:
         out.outputs += p.outputs
         out.rounds += p.rounds
         out.drafted += p.drafted
+        out.looked_up += p.looked_up
         out.accepted += p.accepted
         out.target_passes += p.target_passes
         for stage, ms in p.stage_ms.items():

@@ -217,3 +217,16 @@ def test_consistency_pairs_requests_pass_by_pass_when_systems_ran_different_coun
     lines = identity_lines(merged, ["greedy"], [p0, p1])
     assert "(d) = (c) token for token on 7/8 requests" in lines[0]
     assert "(c) = (a) HF generate() token for token on 4/4 requests" in lines[1]  # pooled, (a)'s 4 would misalign
+
+
+def test_the_targets_note_says_where_e_ran_target_only_or_drafted_by_prompt_lookup():
+    from benchmarks.report import _like_runs_note
+
+    idle = RunResult("e", "greedy", 16, 0.05)
+    assert "target-only rounds, as (f)" in _like_runs_note(idle)
+    looked = RunResult("e", "greedy", 16, 1.3)
+    looked.drafted, looked.looked_up = 200, 174
+    assert _like_runs_note(looked) == "(e): 87% of its drafted tokens by prompt lookup"
+    drafted = RunResult("e", "greedy", 1, 3.5)
+    drafted.drafted = 300
+    assert _like_runs_note(drafted) == "" and _like_runs_note(None) == ""
