@@ -88,7 +88,7 @@ class PreDrafter:
         runs (a pre-draft gets one attempt)."""
         policy = gen.policy
         if not (self.enabled and policy.fixed is None and not policy.deterministic and gamma > 0
-                and gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)):
+                and not gen.looked_up and gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)):
             return None
         main, forks = self.wanted(gen, gamma)
         if not (main or forks):
