@@ -236,3 +236,25 @@ def test_the_confidence_stop_keeps_the_output_exact(local_stack, target_model, t
     finally:
         local_stack.kill(eager, sig=15)
         local_stack.orchestrators.remove(eager)
+
+
+def test_greedy_rounds_look_up_where_that_beats_the_draft_and_answer_as_the_target(local_stack, target_model,
+                                                                                   tokenizer):
+    """With the draft replica up, adaptive greedy rounds on text that repeats look their
+    draft up (orchestrator/ngram.py) where that is worth more than the draft's; the answer
+    is still the target's own greedy one, streamed as unary, and a fixed γ never looks up."""
+    stub = api(local_stack.orchestrator_address)
+    prompts = ["def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):\n",
+               "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1, 2, 3]\n", "for i in range(3):\n    print(i)\n" * 3]
+    looked_up = 0
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        got = stub.Generate(request(prompt, 64, 0.0), timeout=120)
+        assert list(got.token_ids) == target_greedy(target_model, ids, 64, tokenizer.eos_token_id)
+        assert got.stats.draft_replica  # the draft was there to draft
+        looked_up += got.stats.lookup_drafted_tokens
+        streamed, _, last = stream(stub, request(prompt, 64, 0.0))
+        assert streamed == list(got.token_ids)
+        fixed = stub.Generate(request(prompt, 32, 0.0, gamma=3), timeout=120)
+        assert fixed.stats.lookup_drafted_tokens == 0 and list(fixed.token_ids) == list(got.token_ids)[:32]
+    assert looked_up > 0
