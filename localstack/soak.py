@@ -157,10 +157,15 @@ class Front:
         # that found it so fails its calls at once for a backoff of up to minutes)
         self.serving = [r.address for r in stack.orchestrators]
         self.channels: dict[str, grpc.aio.Channel] = {}
-        self.drained: set[str] = set()  # orchestrators the churn stopped
+        self.drained: set[str] = set()  # orchestrators the churn stopped or is stopping
         self.turn = 0
         self.redirected = 0  # calls sent again, to another orchestrator
         self.resumed = 0  # calls sent again with their request id after they had started
+
+    def stopping(self, address: str) -> None:
+        """The churn has signalled it: its failures from now on are its stop's (a call cut as
+        its server stops fails CANCELLED), whether or not the clients still reach it."""
+        self.drained.add(address)
 
     def drain(self, address: str) -> None:
         self.serving.remove(address)
@@ -423,6 +428,7 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
             kind = kinds[len(restarts) % len(kinds)]
             if kind == "orchestrator":
                 victim = rng.choice([r for r in stack.orchestrators if r.proc.poll() is None])
+                front.stopping(victim.address)
                 victim.proc.send_signal(sig)
                 # calls still reach it for a moment, as they reach a pod until the endpoints'
                 # update has spread: it refuses them (or, killed, fails to connect), and the

@@ -500,8 +500,9 @@ class Generator:
 
     async def _draft(self, gen: Generation, remaining: int,
                      m: int) -> tuple[list[int], replica_pb2.DraftDistributions | None, int]:
-        """This round's proposal → (draft tokens, their distributions or None, γ); γ = 0
-        (target-only) when the policy says so or no draft replica can serve."""
+        """This round's proposal → (draft tokens, their distributions or None, γ): the draft
+        replica's, or prompt lookup's (`_look_up`, `_look_up_instead`: no distributions);
+        γ = 0 (target-only) when the policy says so or neither can serve."""
         ready = gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)
         gen.runner_ups, gen.line, gen.looked_up = None, None, False
         if not ready:
@@ -560,9 +561,7 @@ class Generator:
             return []
         rates = gen.policy.estimate or [gen.policy.alpha] * gamma
         drafted = expected_by_gamma(rates[:gamma])[-1] / self.costs.round_table(gamma)[gamma]
-        rate = min(gen.lookup.rate, 0.999)
-        looked_up = (1 - rate ** (len(lookup) + 1)) / (1 - rate) / self.costs.verify_round_ms(len(lookup))
-        if looked_up > drafted:
+        if gen.lookup.tokens(len(lookup)) / self.costs.verify_round_ms(len(lookup)) > drafted:
             return lookup
         gen.looked_up = False
         return []

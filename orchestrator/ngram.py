@@ -81,13 +81,17 @@ class LookupPolicy:
     def rate(self) -> float:
         return self.kept / (self.kept + self.missed)
 
+    def tokens(self, gamma: int) -> float:
+        """Expected tokens of a round that looks up γ: (1 − α^(γ+1)) / (1 − α) at its rate."""
+        rate = min(self.rate, 0.999)
+        return (1 - rate ** (gamma + 1)) / (1 - rate)
+
     def observe(self, gamma: int, accepted: int) -> None:
         self.kept = DECAY * self.kept + accepted
         self.missed = DECAY * self.missed + (1.0 if accepted < gamma else 0.0)
 
     def choose(self, costs: CostModel, limit: int) -> int:
-        rate = min(self.rate, 0.999)
-        best = max(range(limit + 1), key=lambda g: (1 - rate ** (g + 1)) / (1 - rate) / costs.verify_round_ms(g))
+        best = max(range(limit + 1), key=lambda g: self.tokens(g) / costs.verify_round_ms(g))
         self.idle = self.idle + 1 if best == 0 else 0
         if best == 0 and limit > 0 and self.idle % PROBE_EVERY == 0:
             return 1  # keep the rate current, or lookups could never come back
