@@ -67,9 +67,11 @@ def token_bias(text: str) -> tuple[int, float]:
 
 def format_stats(s: pb.GenerationStats) -> str:
     t = s.times
+    lookup = (f"{s.lookup_drafted_tokens} of {s.drafted_tokens} drafted by prompt lookup, "
+              if s.lookup_drafted_tokens else "")
     return (f"[{s.generated_tokens} tokens in {t.total_ms:.0f} ms = {1000 * s.generated_tokens / max(t.total_ms, 1e-9):.1f} tok/s, "
             f"first after {t.first_token_ms:.0f} ms; "
-            f"rounds {s.rounds}, mean γ {s.mean_gamma:.2f}, acceptance {s.acceptance_rate:.2f}, "
+            f"rounds {s.rounds}, mean γ {s.mean_gamma:.2f}, acceptance {s.acceptance_rate:.2f}, {lookup}"
             f"{s.tokens_per_target_pass:.2f} tokens/target pass; draft {t.draft_ms:.0f} ms, verify {t.verify_ms:.0f} ms, "
             f"network {t.network_ms:.0f} ms, redis {t.redis_ms:.0f} ms; seed {s.seed}]")
 

@@ -168,3 +168,13 @@ def test_retries_ride_out_an_orchestrator_killed_mid_answer_and_show_no_text_twi
     assert "sending it again" in err
     want = api(local_stack.orchestrator_address).Generate(request("def main(", 1024, 0.0, gamma=0), timeout=120)
     assert out == want.text
+
+
+def test_the_stats_line_says_how_much_prompt_lookup_drafted_only_where_it_drafted():
+    from orchestrator.client import format_stats
+    from specdec.v1 import orchestrator_pb2 as pb
+
+    stats = pb.GenerationStats(rounds=10, drafted_tokens=30, accepted_tokens=24, generated_tokens=34)
+    assert "prompt lookup" not in format_stats(stats)
+    stats.lookup_drafted_tokens = 12
+    assert "12 of 30 drafted by prompt lookup" in format_stats(stats)
