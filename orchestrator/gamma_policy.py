@@ -437,6 +437,9 @@ class SessionPolicy:
     def __post_init__(self) -> None:
         if self.reached is None:
             self.reached = [self.trials]
+        # the last choice was a probe or an exploration, there to measure the draft: no prompt
+        # lookup takes its place (not a field: no snapshot carries it)
+        self.probing = False
 
     def snapshot(self) -> str:
         """The whole state as text: a seeded request continued by a retry
@@ -530,13 +533,16 @@ class SessionPolicy:
         tokens = expected_by_gamma(rates)
         best = max(range(self.max_gamma + 1), key=lambda g: tokens[g] / table[g])
         self.rounds += 1
+        self.probing = False
         if best > 0 and not self.deterministic and costs.alone and self.rounds % EXPLORE_EVERY == 0:
             # a neighbour, above and below by turns, so that its cost gets measured
             step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
+            self.probing = True
             return min(self.max_gamma, max(0, best + step))
         if best == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero % 16 == 0:
+                self.probing = True
                 return 2  # probe: keep α current so speculation can come back
         else:
             self.rounds_at_zero = 0

@@ -509,8 +509,9 @@ class Generator:
             draft = self._look_up(gen, remaining, m)
             return draft, None, len(draft)
         gamma = rounds.plan_gamma(gen.policy.choose(self.costs), remaining, m, self.max_len)
-        if gamma > 0 and gen.policy.fixed is None:
-            lookup = self._look_up_instead(gen, gamma, remaining, m)
+        if gen.policy.fixed is None and not gen.policy.probing:  # a probe measures the draft
+            # where the policy drafts nothing, a lookup is priced against target-only
+            lookup = self._look_up_instead(gen, gamma, remaining, m) if gamma else self._look_up(gen, remaining, m)
             if lookup:
                 return lookup, None, len(lookup)
         if gamma == 0:
@@ -531,8 +532,9 @@ class Generator:
         return list(prop.draft_tokens), dists, len(prop.draft_tokens)  # the confidence stop may have cut it
 
     def _look_up(self, gen: Generation, remaining: int, m: int) -> list[int]:
-        """A greedy round that no draft replica drafts (none registered, its draft late, or
-        the load governor has turned drafting off) drafts by prompt lookup, where the
+        """A greedy round that no draft replica drafts (none registered, its draft late, the
+        load governor has turned drafting off, or the γ policy drafts nothing) drafts by
+        prompt lookup, where the
         request leaves γ open (the session's LookupPolicy prices it) or fixes one above 0;
         → the draft, or [] (target-only). Sets `gen.looked_up`; the caller takes γ from the
         draft's length."""

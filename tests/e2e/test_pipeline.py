@@ -135,10 +135,11 @@ def test_replicas_are_in_the_registry(local_stack):
 
 
 def test_overlapped_drafting_keeps_the_output_exact(local_stack, target_model, tokenizer, heldout_prompts):
-    """An orchestrator that pre-drafts every round (--overlap-min-hit 0): greedy output is
-    still the target's own, pre-drafts were used, greedy and at temperature 1, and a seeded
-    sampled request, which never pre-drafts (orchestrator/predraft.py), reproduces."""
-    eager = local_stack.start_orchestrator(extra=["--overlap-min-hit", "0"])
+    """An orchestrator that pre-drafts every round (--overlap-min-hit 0; no prompt lookup,
+    whose rounds leave nothing to pre-draft from): greedy output is still the target's own,
+    pre-drafts were used, greedy and at temperature 1, and a seeded sampled request, which
+    never pre-drafts (orchestrator/predraft.py), reproduces."""
+    eager = local_stack.start_orchestrator(extra=["--overlap-min-hit", "0", "--prompt-lookup", "off"])
     try:
         stub = api(eager.address)
         hits = 0

@@ -387,3 +387,22 @@ def test_a_restored_snapshot_chooses_as_the_policy_it_was_taken_from():
         policy.observe(gamma, min(kept, gamma))
         copy.observe(gamma, min(kept, gamma))
     assert copy == policy
+
+
+def test_a_probe_of_the_draft_says_so_so_that_no_lookup_takes_its_place():
+    """When drafting is priced out, one choice in 16 is a probe (γ = 2) that keeps the draft's
+    α and costs current; the policy marks it, and the orchestrator then lets the draft draft
+    it rather than prompt lookup (orchestrator/generation.py)."""
+    from orchestrator.gamma_policy import CostModel, SessionPolicy
+
+    costs = CostModel()
+    costs.draft_call.update(500.0)  # a draft far too slow to pay
+    costs.draft_step.update(100.0)
+    costs.verify_base.update(10.0)
+    costs.verify_token.update(0.3)
+    costs.batch.update(1.0)
+    policy = SessionPolicy(greedy=True)
+    picks = [(policy.choose(costs), policy.probing) for _ in range(32)]
+    assert [p for p in picks if p[1]] == [(2, True), (2, True)]
+    assert all(g == 0 for g, probing in picks if not probing)
+    assert "probing" not in policy.snapshot()  # not state a retry restores
