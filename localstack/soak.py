@@ -168,8 +168,8 @@ class Front:
         self.drained.add(address)
 
     def drain(self, address: str) -> None:
+        """The endpoints' update has spread: clients no longer reach it (`stopping` came first)."""
         self.serving.remove(address)
-        self.drained.add(address)
 
     def stub(self) -> tuple[str, pb_grpc.OrchestratorStub]:
         address = self.serving[self.turn % len(self.serving)]

@@ -486,6 +486,10 @@ class SessionPolicy:
         function of the session's own tokens, so a seeded request stays reproducible."""
         return math.prod(self._rates(gamma)[:gamma]) * self.guess_rate
 
+    def expected_tokens(self, gamma: int) -> float:
+        """Tokens a round drafting γ yields at the last choice's rates (`expected_by_gamma`)."""
+        return expected_by_gamma(self._rates(gamma)[:gamma])[-1]
+
     def _rates(self, gamma: int) -> list[float]:
         """The per-position rates of the last choice, or one α where it priced fewer positions."""
         return self.estimate if self.estimate is not None and len(self.estimate) >= gamma else [self.alpha] * gamma

@@ -25,7 +25,7 @@ import grpc
 
 from orchestrator import ngram, request_ids, round_book
 from orchestrator.draft_waits import DraftWaits
-from orchestrator.gamma_policy import CostModel, SessionPolicy, expected_by_gamma
+from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.governor import LoadGovernor
 from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Opened, Outcome, PromptScores, Proposal,
                                      Round, Stats)
@@ -561,8 +561,7 @@ class Generator:
         lookup = self._look_up(gen, remaining, m)
         if not lookup:
             return []
-        rates = gen.policy.estimate or [gen.policy.alpha] * gamma
-        drafted = expected_by_gamma(rates[:gamma])[-1] / self.costs.round_table(gamma)[gamma]
+        drafted = gen.policy.expected_tokens(gamma) / self.costs.round_table(gamma)[gamma]
         if gen.lookup.tokens(len(lookup)) / self.costs.verify_round_ms(len(lookup)) > drafted:
             return lookup
         gen.looked_up = False

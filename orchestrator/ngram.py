@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.gamma_policy import CostModel
+from orchestrator.gamma_policy import CostModel, expected_by_gamma
 
 LOOKUP_GAMMA = 4  # tokens a lookup proposes at most, where the request fixes no γ
 PRIOR_KEPT, PRIOR_MISSED = 3.0, 2.0  # a new session's rate: 0.6, worth five tokens of evidence
@@ -83,8 +83,7 @@ class LookupPolicy:
 
     def tokens(self, gamma: int) -> float:
         """Expected tokens of a round that looks up γ: (1 − α^(γ+1)) / (1 − α) at its rate."""
-        rate = min(self.rate, 0.999)
-        return (1 - rate ** (gamma + 1)) / (1 - rate)
+        return expected_by_gamma([self.rate] * gamma)[-1]
 
     def observe(self, gamma: int, accepted: int) -> None:
         self.kept = DECAY * self.kept + accepted

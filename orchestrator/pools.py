@@ -3,8 +3,9 @@
 A new session goes to the least-loaded live replica of each pool (load from the
 registry, plus the sessions this process placed since the last heartbeat), or, among those
 nearly as little loaded, to the one its prompt's first tokens hash to (so that prompts that
-begin alike find their prefix held there), and sticks there. A replica whose calls fail is avoided at once, before its registry entry expires,
-unless every replica of its pool is avoided.
+begin alike find their prefix held there), and sticks there. A replica whose calls fail is
+avoided at once, before its registry entry expires, unless every replica of its pool is
+avoided.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from specdec.registry import Registry, ReplicaInfo
 REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 CACHE_LOST = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
-# per pool: the multiplexed RPC, the messages of its calls and of its answers
 # new sessions whose prompts begin alike go where that beginning is held (the replicas'
 # prefix reuse, specdec/sessions.py) unless that replica is this much fuller, as a share of
 # its capacity, than the least loaded one: load decides first, the prefix among near equals
@@ -42,6 +42,7 @@ def prefix_affinity(prompt_ids: list[int]) -> bytes:
     return struct.pack(f"<{AFFINITY_TOKENS}q", *prompt_ids[:AFFINITY_TOKENS])
 
 
+# per pool: the multiplexed RPC, the messages of its calls and of its answers
 MUX_RPCS = {"draft": ("ProposeMux", replica_pb2.ProposeCall, replica_pb2.ProposeCalls, replica_pb2.ProposeAnswers),
             "target": ("VerifyMux", replica_pb2.VerifyCall, replica_pb2.VerifyCalls, replica_pb2.VerifyAnswers)}
 

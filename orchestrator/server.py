@@ -358,10 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "for the call's whole timeout. Seeded sampled requests always wait (they must "
                          "reproduce) [SPECDEC_DRAFT_WAIT_MS]")
     ap.add_argument("--prompt-lookup", choices=("on", "off"), default=env("PROMPT_LOOKUP", "on"),
-                    help="greedy sessions that no draft replica serves (an empty or failed draft pool, a late "
-                         "draft) draft by prompt lookup instead of decoding target-only: the tokens that "
-                         "followed the latest earlier occurrence of the context's last 2-3 tokens, verified "
-                         "as any draft, so the answer is the same (default on) [SPECDEC_PROMPT_LOOKUP]")
+                    help="greedy rounds that no draft replica drafts (an empty or failed draft pool, a late "
+                         "draft, drafting off under load or priced out) draft by prompt lookup instead of "
+                         "decoding target-only, and adaptive greedy rounds look up instead of drafting where "
+                         "that is worth more: the tokens that followed the latest earlier occurrence of the "
+                         "context's last 2-3 tokens, verified as any draft, so the answer is the same "
+                         "(default on) [SPECDEC_PROMPT_LOOKUP]")
     ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "frames"),
                     help="how generations call the pools: frames (default: one stream per replica shared by "
                          "every generation, the calls of one moment in one message, over the replica's frame link, "

@@ -5,8 +5,8 @@
 // a comparison and a fill, softmax, the top-p mask, a fill, a sum and a division, amax, a
 // product, a comparison, a fill, a sum and a division): 350 µs for a verification's five rows
 // of 4,096 under all four cuts on the 2-core CPU, where the softmax alone costs 12. Here the
-// elementwise steps run in one loop per row; the kth largest value comes from nth_element
-// (topk's value, ties included); the softmax and both renormalising sums stay torch's own
+// elementwise steps run in one loop per row; the kth largest value comes from a min-heap of
+// the k largest (topk's value, ties included); the softmax and both renormalising sums stay torch's own
 // operators, so that every bit is as the chain leaves it: a division by a float32 temperature
 // and a comparison with a float32 product are exactly rounded either way.
 #include <torch/extension.h>
@@ -65,12 +65,12 @@ torch::Tensor law_rows(torch::Tensor logits, double temperature, int64_t top_k, 
   TORCH_CHECK(vocab > 0, "law_rows: an empty vocabulary");
   logits = logits.contiguous();
   const int64_t rows = logits.numel() / vocab;
+  const bool divide = temperature != 1.0;  // x / 1 is x: the chain skips the operator
   const bool cuts = top_k > 0 && top_k < vocab;
-  auto tempered = temperature != 1.0 || cuts ? torch::empty(logits.sizes(), logits.options()) : logits;
-  if (tempered.data_ptr() != logits.data_ptr()) {
+  auto tempered = divide || cuts ? torch::empty(logits.sizes(), logits.options()) : logits;
+  if (divide || cuts) {
     const float* x = logits.data_ptr<float>();
     float* out = tempered.data_ptr<float>();
-    const bool divide = temperature != 1.0;  // x / 1 is x: the chain skips the operator
     std::vector<float> scratch;
     for (int64_t r = 0; r < rows; r++)
       temper_and_cut(x + r * vocab, out + r * vocab, vocab, static_cast<float>(temperature), divide, top_k, scratch);
