@@ -4,8 +4,8 @@ A quicker, narrower companion of `make bench` for tuning the replicas' batching:
 local stack (Redis, one draft and one target replica with /metrics on, one orchestrator),
 and for each configuration (mode:streams) the runs of (f) target-only and (e) adaptive γ
 with overlap (or those of --systems, (d) fixed γ = 4 among them), side by side, each with
-its mean γ, tokens per round and share of rounds pre-drafted, and the replicas' view scraped from Prometheus around
-the run: mean sessions per batch, the share of the wall time the engine computed (busy)
+its mean γ, tokens per round, share of rounds pre-drafted and share of drafted tokens
+looked up (prompt lookup), and the replicas' view scraped from Prometheus around the run: mean sessions per batch, the share of the wall time the engine computed (busy)
 and the share it held batches for company (held), and the orchestrator's pre-drafts per
 round with the share of them used (from its /metrics). Each run also gives the CPU time of each
 process per round (session-round under load: user + system time from /proc, Linux only),
@@ -142,7 +142,8 @@ async def probe(address: str, ports: dict[str, int], prompt_ids, configs, per_st
                 if pids:
                     views += " | " + cpu_view(cpu_before, cpu_after, run.rounds)
                 shape = (f"γ {run.drafted / run.rounds:.2f} tok/round {run.tokens / run.rounds:.2f} "
-                         f"pre-drafted {run.overlap_hits / run.rounds:.2f}") if run.rounds else ""
+                         f"pre-drafted {run.overlap_hits / run.rounds:.2f} "
+                         f"looked up {run.looked_up / max(run.drafted, 1):.2f}") if run.rounds else ""
                 lines.append(f"{mode} {streams} streams ({system}) {run.tps:.1f} tok/s {shape} | {views}")
                 print(lines[-1], flush=True)
     finally:

@@ -74,10 +74,13 @@ def test_stack_probe_reports_each_run_with_the_replicas_batching(capsys):
     assert float(lines[2].split("γ ")[1].split()[0]) > 0  # (d) drafted
     assert all("target: batch" in ln for ln in lines)  # the target served every run
     assert "draft: batch" in lines[2]  # (d) drafted through the draft replica
-    # (e) may rightly switch speculation off when two streams saturate the target (γ 0): then
-    # the draft replica must have been idle; when it drafted, the replica must report its batches
+    # (e) may rightly switch speculation off when two streams saturate the target (γ 0), or draft
+    # every token by prompt lookup (greedy): then the draft replica must have been idle; when it
+    # drafted, the replica must report its batches
     e_gamma = float(lines[1].split("γ ")[1].split()[0])
-    assert "draft: batch" in lines[1] or (e_gamma == 0 and "draft: idle" in lines[1])
+    e_looked_up = float(lines[1].split("looked up ")[1].split()[0])
+    assert 0 <= e_looked_up <= 1 and "looked up 0.00" in lines[2]  # a fixed γ with its draft never looks up
+    assert "draft: batch" in lines[1] or ((e_gamma == 0 or e_looked_up == 1) and "draft: idle" in lines[1])
     assert "pre-drafts: none" in lines[0] and "pre-drafts: none" in lines[2]  # only (e) pre-drafts
     assert "pre-drafts:" in lines[1]  # (e): the orchestrator's own counts, scraped
     for ln in lines:  # each process's CPU time per round, as measured from /proc
