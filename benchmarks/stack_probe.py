@@ -5,9 +5,10 @@ local stack (Redis, one draft and one target replica with /metrics on, one orche
 and for each configuration (mode:streams) the runs of (f) target-only and (e) adaptive γ
 with overlap (or those of --systems, (d) fixed γ = 4 among them), side by side, each with
 its mean γ, tokens per round, share of rounds pre-drafted and share of drafted tokens
-looked up (prompt lookup), and the replicas' view scraped from Prometheus around the run: mean sessions per batch, the share of the wall time the engine computed (busy)
-and the share it held batches for company (held), and the orchestrator's pre-drafts per
-round with the share of them used (from its /metrics). Each run also gives the CPU time of each
+looked up (prompt lookup), and the replicas' view scraped from Prometheus around the run:
+mean sessions per batch, the share of the wall time the engine computed (busy) and the
+share it held batches for company (held), and the orchestrator's pre-drafts per round with
+the share of them used (from its /metrics). Each run also gives the CPU time of each
 process per round (session-round under load: user + system time from /proc, Linux only),
 which is steadier than tokens/s on a shared machine whose speed drifts: the cost a change
 saves shows there even when the drift swamps the throughput.
