@@ -41,7 +41,8 @@ from specdec.rounds import Ends
 from specdec.sampling import GREEDY_BELOW
 from specdec.session_store import AnswerScores, RoundCommit, SessionHandle, SessionStore
 from specdec.sessions import CacheRef
-from specdec.wire_pb import params_to_pb, ref_to_pb
+from specdec.wire import point_masses
+from specdec.wire_pb import params_to_pb, ref_to_pb, to_pb
 
 __all__ = ["DRAFT_WAIT_S", "PREFILL_CHUNK", "STOP_BELOW_GREEDY", "STOP_BELOW_SAMPLED", "OVERLAP_FORKS",
            "OVERLAP_MIN_HIT", "OVERLAP_MIN_USE", "GenerationRequest", "Generator", "Outcome", "Stats"]
@@ -88,7 +89,7 @@ class Generator:
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
                  governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
                  prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S,
-                 lookup: bool = True) -> None:
+                 lookup: str = "greedy") -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -104,7 +105,7 @@ class Generator:
         self.prefill_chunk = prefill_chunk  # tokens a call feeds at most before the round's own (0: no limit)
         self.retry_window = retry_window  # seconds a request id's whole answer stays for its retries
         self.waits = DraftWaits(draft_wait)
-        self.lookup = lookup  # greedy sessions no draft replica serves draft by prompt lookup (ngram.py)
+        self.lookup = ngram.lookup_mode(lookup)  # which sessions may draft by prompt lookup (ngram.MODES)
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
                                    overlap_min_hit, overlap_min_use, overlap_forks)
@@ -501,19 +502,20 @@ class Generator:
     async def _draft(self, gen: Generation, remaining: int,
                      m: int) -> tuple[list[int], replica_pb2.DraftDistributions | None, int]:
         """This round's proposal → (draft tokens, their distributions or None, γ): the draft
-        replica's, or prompt lookup's (`_look_up`, `_look_up_instead`: no distributions);
+        replica's, or prompt lookup's (`_look_up`, `_look_up_instead`: point masses, or none
+        under greedy);
         γ = 0 (target-only) when the policy says so or neither can serve."""
         ready = gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)
         gen.runner_ups, gen.line, gen.looked_up = None, None, False
         if not ready:
             draft = self._look_up(gen, remaining, m)
-            return draft, None, len(draft)
+            return draft, self._lookup_law(gen, draft), len(draft)
         gamma = rounds.plan_gamma(gen.policy.choose(self.costs), remaining, m, self.max_len)
         if gen.policy.fixed is None and not gen.policy.probing:  # a probe measures the draft
             # where the policy drafts nothing, a lookup is priced against target-only
             lookup = self._look_up_instead(gen, gamma, remaining, m) if gamma else self._look_up(gen, remaining, m)
             if lookup:
-                return lookup, None, len(lookup)
+                return lookup, self._lookup_law(gen, lookup), len(lookup)
         if gamma == 0:
             return [], None, 0
         # a long feed goes in chunks (`_feed_in_chunks`), a call each, and each call gets the wait
@@ -532,14 +534,13 @@ class Generator:
         return list(prop.draft_tokens), dists, len(prop.draft_tokens)  # the confidence stop may have cut it
 
     def _look_up(self, gen: Generation, remaining: int, m: int) -> list[int]:
-        """A greedy round that no draft replica drafts (none registered, its draft late, the
-        load governor has turned drafting off, or the γ policy drafts nothing) drafts by
-        prompt lookup, where the
-        request leaves γ open (the session's LookupPolicy prices it) or fixes one above 0;
-        → the draft, or [] (target-only). Sets `gen.looked_up`; the caller takes γ from the
-        draft's length."""
+        """A round that no draft replica drafts (none registered, its draft late, the load
+        governor has turned drafting off, or the γ policy drafts nothing) drafts by prompt
+        lookup, where the session may (`_may_look_up`) and the request leaves γ open (the
+        session's LookupPolicy prices it) or fixes one above 0; → the draft, or []
+        (target-only). Sets `gen.looked_up`; the caller takes γ from the draft's length."""
         policy = gen.policy
-        if not (self.lookup and policy.greedy and policy.fixed != 0):
+        if not self._may_look_up(gen):
             return []
         want = policy.fixed if policy.fixed is not None else gen.lookup.choose(self.costs, ngram.LOOKUP_GAMMA)
         gamma = rounds.plan_gamma(want, remaining, m, self.max_len)
@@ -551,12 +552,32 @@ class Generator:
         gen.looked_up = bool(draft)
         return draft
 
+    def _may_look_up(self, gen: Generation) -> bool:
+        """Greedy sessions look up unless lookups are off; sampled ones only under `all`,
+        unseeded (a seeded session's rounds must not hang on the load, which prices a
+        lookup) and where the target replica registered its vocabulary, which the point
+        masses span; a request fixing γ = 0 never."""
+        policy = gen.policy
+        if self.lookup == "off" or policy.fixed == 0:
+            return False
+        if policy.greedy:
+            return True
+        return (self.lookup == "all" and not policy.deterministic
+                and self.pools.vocab_size(gen.handle.target_replica) > 0)
+
+    def _lookup_law(self, gen: Generation, draft: list[int]) -> replica_pb2.DraftDistributions | None:
+        """A looked-up draft's law for the target: none under greedy (its verification
+        compares with the argmaxes), else a point mass on each token."""
+        if not draft or gen.policy.greedy:
+            return None
+        return to_pb(point_masses(draft, self.pools.vocab_size(gen.handle.target_replica)))
+
     def _look_up_instead(self, gen: Generation, gamma: int, remaining: int, m: int) -> list[int]:
-        """An adaptive greedy session whose draft replica would draft γ tokens looks them up
-        instead where that is worth more tokens per millisecond: a lookup costs its round no
-        draft call and no draft compute, so a likely one wins over a better draft (the
-        bundled target's answers repeat: a lookup kept at 0.88 a token beats its draft's 0.77
-        plus the draft's call). The draft's cache then lacks the round's tokens, and its
+        """An adaptive session (greedy, or sampled under `all`) whose draft replica would draft
+        γ tokens looks them up instead where that is worth more tokens per millisecond: a
+        lookup costs its round no draft call and no draft compute, so a likely one wins over
+        a better draft (the bundled target's greedy answers repeat: a lookup kept at 0.88 a
+        token beats its draft's 0.77 plus the draft's call). The draft's cache then lacks the round's tokens, and its
         next call feeds them. → the lookup, or [] (draft as planned)."""
         lookup = self._look_up(gen, remaining, m)
         if not lookup:
@@ -604,7 +625,7 @@ class Generator:
         gen.stats.observe(gamma, verdict.accepted)
         if gen.looked_up:
             gen.stats.looked_up += gamma
-            gen.lookup.observe(gamma, verdict.accepted)
+            gen.lookup.observe(gamma, verdict.accepted, None if gen.policy.greedy else verdict.keep_chances)
         else:  # the policy learns the draft replica's acceptance, not the lookup's
             gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
         if gen.keeps_policy:  # committed with the round, for a retry to go on from

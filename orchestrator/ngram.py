@@ -1,4 +1,4 @@
-"""Prompt lookup: a draft without a draft model, for greedy rounds no draft replica drafts.
+"""Prompt lookup: a draft without a draft model, for rounds no draft replica drafts.
 
 The tokens that followed the latest earlier occurrence of the context's last n tokens
 (n from MAX_NGRAM down to MIN_NGRAM) are proposed as the draft (Saxena's prompt lookup
@@ -9,9 +9,15 @@ governor has turned the draft off (the target saturated, the draft's work compet
 it): a lookup adds only verified rows, and `LookupPolicy` adds them only where the
 session's lookups are kept often enough to pay for them at the current load.
 
-Only greedy sessions use it, where verification is a comparison with the target's argmaxes
-and any proposal is lossless; a sampled one would need the draft's law, a point mass here,
-which the target verifies just as exactly but which is left for later. On the bundled
+Greedy sessions use it by default (`MODES`: greedy), where verification is a comparison
+with the target's argmaxes and any proposal is lossless. Sampled sessions use it where
+the orchestrator runs with `all`: the draft's law is then a point mass on each looked-up
+token (specdec.wire.point_masses), which the target verifies as exactly as any draft law
+(x kept with chance p(x), a rejection drawn from p without x). It is not the default:
+sampled text repeats less, and at t = 1 on the bundled pair a lookup was possible at 19 %
+of positions and almost never kept (ad hoc, 2026-12-06), so its first rounds of a session
+and its probes would cost verified rows for nothing. Seeded sampled sessions never look
+up: their rounds must not depend on the load, and a lookup's price does. On the bundled
 target's own greedy answers to the held-out prompts a lookup of up to 4 tokens was kept
 83 % of the time, 2.21 tokens a round (ad hoc, 2026-12-06): these small models repeat
 themselves more than large ones do.
@@ -19,9 +25,11 @@ themselves more than large ones do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from orchestrator.gamma_policy import CostModel, expected_by_gamma
+from orchestrator.gamma_policy import CostModel, expected_by_gamma, keep_chances
 
+MODES = ("greedy", "all", "off")  # which sessions look up; "on", the flag's older spelling, is greedy
 LOOKUP_GAMMA = 4  # tokens a lookup proposes at most, where the request fixes no γ
 PRIOR_KEPT, PRIOR_MISSED = 3.0, 2.0  # a new session's rate: 0.6, worth five tokens of evidence
 DECAY = 0.9  # per looked-up round: the text's repetitiveness changes as it goes
@@ -85,9 +93,13 @@ class LookupPolicy:
         """Expected tokens of a round that looks up γ: (1 − α^(γ+1)) / (1 − α) at its rate."""
         return expected_by_gamma([self.rate] * gamma)[-1]
 
-    def observe(self, gamma: int, accepted: int) -> None:
-        self.kept = DECAY * self.kept + accepted
-        self.missed = DECAY * self.missed + (1.0 if accepted < gamma else 0.0)
+    def observe(self, gamma: int, accepted: int, chances: Sequence[float] | None = None) -> None:
+        """A looked-up round's outcome. Of a sampled one, `chances` (the target's chance per
+        i = 1..γ that a prefix of i is kept; gamma_policy.keep_chances) count instead of the
+        kept length: the same rate in expectation, with less noise."""
+        chances = keep_chances(gamma, accepted, chances)
+        self.kept = DECAY * self.kept + sum(chances)
+        self.missed = DECAY * self.missed + (1.0 - chances[-1] if gamma else 0.0)
 
     def choose(self, costs: CostModel, limit: int) -> int:
         best = max(range(limit + 1), key=lambda g: self.tokens(g) / costs.verify_round_ms(g))
@@ -95,3 +107,12 @@ class LookupPolicy:
         if best == 0 and limit > 0 and self.idle % PROBE_EVERY == 0:
             return 1  # keep the rate current, or lookups could never come back
         return best
+
+
+def lookup_mode(name: str) -> str:
+    """A `--prompt-lookup` value → one of MODES; "on" (the flag before sampled lookups) is
+    greedy, so configurations written for it keep their meaning."""
+    mode = "greedy" if name == "on" else name
+    if mode not in MODES:
+        raise ValueError(f"prompt lookup must be one of {', '.join(MODES)} (or on), got {name!r}")
+    return mode

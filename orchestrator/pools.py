@@ -62,6 +62,7 @@ class PoolClients:
         self.ssl_context = client_ssl_context(tls_ca_file, tls_cert_file, tls_key_file) if frames else None
         self.tls_server_name = tls_server_name
         self._frame_ports: dict[str, int] = {}  # from the registry: 0 = the replica has none
+        self._vocab: dict[str, int] = {}  # from the registry: 0 = the replica did not say
         self.avoid_seconds = avoid_seconds
         self.cache_seconds = registry_cache_seconds
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -145,12 +146,18 @@ class PoolClients:
             self._live_cache[kind] = (now, replicas)
             self._placed = {}
             self._frame_ports.update((r.address, r.frame_port) for r in replicas)
+            self._vocab.update((r.address, r.vocab_size) for r in replicas)
         # with every registered replica marked down, all of them rather than none: one failed
         # call marks its replica down for avoid_seconds, and a failure may say more about the
         # call than the replica (its deadline, one session's state); a whole pool avoided would
         # fail every new session at once until the marks expire, while a replica that is really
         # gone leaves the registry by itself (it deregisters, or its entry expires)
         return [r for r in replicas if not self.is_down(r.address)] or replicas
+
+    def vocab_size(self, address: str) -> int:
+        """The vocabulary a replica registered (its logits' width), 0 where unknown: what a
+        draft law the orchestrator writes itself (prompt lookup's point masses) must span."""
+        return self._vocab.get(address, 0)
 
     async def pick(self, kind: str, exclude: set[str] = frozenset(), affinity: bytes = b"") -> str | None:
         """Least-loaded live replica of the pool, or None if the pool is empty. With an

@@ -12,6 +12,7 @@ import uuid
 import grpc
 from google.protobuf.message import DecodeError
 
+from orchestrator import ngram
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import (DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, RETRY_WINDOW_S,
                                     STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome)
@@ -357,13 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "A stalled draft replica then costs a generation this wait, not the stall; 0 = wait "
                          "for the call's whole timeout. Seeded sampled requests always wait (they must "
                          "reproduce) [SPECDEC_DRAFT_WAIT_MS]")
-    ap.add_argument("--prompt-lookup", choices=("on", "off"), default=env("PROMPT_LOOKUP", "on"),
-                    help="greedy rounds that no draft replica drafts (an empty or failed draft pool, a late "
-                         "draft, drafting off under load or priced out) draft by prompt lookup instead of "
-                         "decoding target-only, and adaptive greedy rounds look up instead of drafting where "
-                         "that is worth more: the tokens that followed the latest earlier occurrence of the "
-                         "context's last 2-3 tokens, verified as any draft, so the answer is the same "
-                         "(default on) [SPECDEC_PROMPT_LOOKUP]")
+    ap.add_argument("--prompt-lookup", choices=(*ngram.MODES, "on"), default=env("PROMPT_LOOKUP", "greedy"),
+                    help="rounds that no draft replica drafts (an empty or failed draft pool, a late draft, "
+                         "drafting off under load or priced out) draft by prompt lookup instead of decoding "
+                         "target-only, and adaptive rounds look up instead of drafting where that is worth "
+                         "more: the tokens that followed the latest earlier occurrence of the context's last "
+                         "2-3 tokens, verified as any draft (a point mass each when sampled), so the answer "
+                         "or its law is the same. greedy (default; on is the same): greedy sessions only; "
+                         "all: unseeded sampled sessions too (pays where sampled text repeats, as in code "
+                         "edits; costs a little where it does not); off [SPECDEC_PROMPT_LOOKUP]")
     ap.add_argument("--internal-calls", choices=CALL_MODES, default=env("INTERNAL_CALLS", "frames"),
                     help="how generations call the pools: frames (default: one stream per replica shared by "
                          "every generation, the calls of one moment in one message, over the replica's frame link, "
@@ -408,7 +411,7 @@ async def serve(args: argparse.Namespace) -> None:
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
                           call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
                           prefill_chunk=args.prefill_chunk, retry_window=args.retry_window,
-                          lookup=args.prompt_lookup == "on")
+                          lookup=args.prompt_lookup)
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
     add_servicer(servicer, shell.server)

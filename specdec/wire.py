@@ -62,6 +62,20 @@ def encode(q16: torch.Tensor) -> EncodedDistributions:
     return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=_to_fp16(a))
 
 
+def point_masses(tokens: list[int], vocab: int) -> EncodedDistributions:
+    """The law of a proposal drawn by no model (prompt lookup): all the mass of row i on
+    tokens[i]. The target then keeps x with chance p(x) and, where it does not, draws from
+    p without x, which is the exact rule for such a draft: a sampled session may verify a
+    looked-up draft as losslessly as one a draft model drew. Sparse, one entry a row, each
+    an fp16 1.0, so it decodes to exact one-hots."""
+    if vocab <= 0 or any(not 0 <= t < vocab for t in tokens):
+        raise ValueError(f"point masses need token ids in 0..{vocab - 1}")
+    return EncodedDistributions(vocab_size=vocab, sparse=True,
+                                sparse_ids_int32=np.asarray(tokens, dtype=np.int32).tobytes(),
+                                sparse_probs_fp16=np.ones(len(tokens), dtype=np.float16).tobytes(),
+                                row_lengths=(1,) * len(tokens))
+
+
 def _sparse_is_smaller(entries: int, gamma: int, vocab: int) -> bool:
     """Whether `entries` positive values as ids and fp16 (6 bytes each) take fewer bytes
     than the dense fp16 block of γ × V (2 bytes each)."""

@@ -128,6 +128,52 @@ def test_empty_draft_pool_falls_back_to_prompt_lookup_and_recovers(stack):
     assert list(resumed.token_ids) == expected[1][:24]
 
 
+def test_sampled_sessions_look_up_under_all_and_keep_the_targets_law(stack, target_model, tokenizer):
+    """`--prompt-lookup all`: with no draft replica, unseeded sampled sessions draft by prompt
+    lookup, their draft law a point mass on each token (specdec.wire.point_masses), and the
+    first token out of such a round still has the target's law (chi-square over 600
+    requests, both the looked-up token and others drawn); seeded ones never look up (their
+    rounds must not hang on the load)."""
+    import concurrent.futures as cf
+
+    import torch
+
+    from orchestrator.ngram import NgramIndex
+    from tests.specdec.test_spec_loop import _chisq
+
+    for rep in live_replicas(stack, "draft"):
+        stack.kill(rep)
+    everyone = stack.start_orchestrator(extra=["--prompt-lookup", "all"])
+    try:
+        stub = api(everyone.address)
+        prompt, temperature, n = "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1,", 1.5, 600
+        ids = tokenizer(prompt)["input_ids"]
+        guess = NgramIndex().propose(ids, 1)
+        assert guess, "the prompt must repeat its own last tokens"
+
+        def first(_):
+            got = stub.Generate(request(prompt, 2, temperature), timeout=120)
+            return got.token_ids[0], got.stats.lookup_drafted_tokens, got.stats.drafted_tokens
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            runs = list(pool.map(first, range(n)))
+        firsts = torch.tensor([t for t, _, _ in runs])
+        assert all(looked == drafted for _, looked, drafted in runs)  # no draft replica drafted
+        assert sum(looked for _, looked, _ in runs) >= 0.8 * n  # the first round looked up
+        kept = int((firsts == guess[0]).sum())
+        assert 0 < kept < n, "both the looked-up token and others must have come out"
+        with torch.no_grad():
+            logits = target_model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        p = torch.softmax(logits / temperature, -1)
+        assert _chisq(torch.bincount(firsts, minlength=p.shape[0]).double(), p) > 1e-3
+        for seed in (1, 2):
+            seeded = stub.Generate(request(prompt, 24, temperature, seed=seed), timeout=120)
+            assert seeded.stats.drafted_tokens == 0
+    finally:
+        stack.kill(everyone, sig=15)
+        stack.orchestrators.remove(everyone)
+
+
 def test_empty_target_pool_is_unavailable_with_a_clear_message(stack):
     ensure(stack, "target", 1)
     stub = api(stack.orchestrator_address)

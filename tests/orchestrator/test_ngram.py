@@ -88,3 +88,28 @@ def test_lookups_are_as_long_as_their_kept_rate_pays_for_and_probe_when_priced_o
     assert choices.count(1) == 3 and set(choices) == {0, 1}  # one probe every PROBE_EVERY rounds
     bad.observe(1, 1)
     assert bad.rate > 0.05  # what the probe kept counts
+
+
+def test_a_sampled_lookup_learns_from_the_targets_keep_chances_as_greedy_from_its_kept_length():
+    """Keep chances of 1s and 0s are a kept length: the same counts either way; fractional
+    ones count what they say (their sum kept, the full draft's miss chance missed)."""
+    from orchestrator.ngram import LookupPolicy
+
+    by_length, by_chances = LookupPolicy(), LookupPolicy()
+    for gamma, kept in ((4, 2), (3, 3), (2, 0), (4, 4)):
+        by_length.observe(gamma, kept)
+        by_chances.observe(gamma, kept, [1.0 if i < kept else 0.0 for i in range(gamma)])
+        assert (by_chances.kept, by_chances.missed) == pytest.approx((by_length.kept, by_length.missed))
+    sampled = LookupPolicy()
+    sampled.observe(3, 0, [0.5, 0.25, 0.125])  # drawn nothing kept: the chances still count
+    assert sampled.kept == pytest.approx(0.9 * 3.0 + 0.875)
+    assert sampled.missed == pytest.approx(0.9 * 2.0 + 0.875)
+
+
+def test_lookup_modes_and_the_flags_older_spelling():
+    from orchestrator.ngram import MODES, lookup_mode
+
+    assert [lookup_mode(m) for m in MODES] == list(MODES)
+    assert lookup_mode("on") == "greedy"  # --prompt-lookup on, from before sampled lookups
+    with pytest.raises(ValueError, match="greedy, all, off"):
+        lookup_mode("sampled")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec import sampling
+from specdec import sampling, wire
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from, verify, verify_greedy
 
 V = 12
@@ -287,6 +287,42 @@ def test_both_rules_give_exactly_the_targets_law_and_block_at_least_the_tokens(s
         assert max(abs(law.get(s, 0.0) - c) for s, c in truth.items()) < 1e-12, rule
         assert abs(sum(law.values()) - 1.0) < 1e-12
     assert tokens["block"] >= tokens["token"] - 1e-12
+
+
+class LookupLaws(ContextLaws):
+    """A prompt lookup's draft: no model draws it, each token a function of the prefix
+    (here of its sum), so its law is the point mass the wire carries for it
+    (specdec.wire.point_masses), decoded as the target decodes it; the target's laws as in
+    ContextLaws, zeros included (a looked-up token the target never emits)."""
+
+    def __call__(self, prefix: tuple) -> tuple[list[float], list[float]]:
+        if prefix not in self.laws:
+            guess = (3 * sum(prefix) + len(prefix)) % self.vocab
+            q = wire.decode(wire.point_masses([guess], self.vocab), 1)[0].tolist()
+            self.laws[prefix] = (self._draw(True), q)
+        return self.laws[prefix]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_looked_up_draft_verified_as_point_masses_gives_exactly_the_targets_law(seed):
+    """Exact, by enumeration as above: a sampled session's looked-up draft, verified with
+    point masses as its law, yields the target's joint law of the first γ + 1 tokens under
+    both rules, the chances of its prefixes being kept are p's products, and the block
+    rule keeps at least the token rule's tokens."""
+    laws, gamma = LookupLaws(4, seed), 3
+    truth = {}
+    for s in itertools.product(range(4), repeat=gamma + 1):
+        truth[s] = math.prod(laws(s[:i])[0][y] for i, y in enumerate(s))
+    tokens = {}
+    for rule in sampling.RULES:
+        law, tokens[rule] = _exact_output_law(laws, gamma, rule)
+        assert max(abs(law.get(s, 0.0) - c) for s, c in truth.items()) < 1e-12, rule
+    assert tokens["block"] >= tokens["token"] - 1e-12
+    draft = next(d for d in itertools.product(range(4), repeat=gamma)
+                 if math.prod(laws(d[:i])[1][x] for i, x in enumerate(d)) == 1.0)  # the looked-up one
+    p_x = [laws(draft[:i])[0][x] for i, x in enumerate(draft)]
+    assert sampling.token_keep_chances_row(p_x, [1.0] * gamma) == pytest.approx(
+        [math.prod(p_x[:i + 1]) for i in range(gamma)], abs=1e-15)
 
 
 @pytest.mark.parametrize("seed", range(4))

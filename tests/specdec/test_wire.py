@@ -143,3 +143,20 @@ def test_native_encoding_is_the_operators_to_the_bit(monkeypatch, isa, vocab, ke
     assert natively.sparse == (keep is not None and keep * 3 < vocab)
     assert torch.equal(decode(natively, 6), _normalised(q16))
     assert encode(q16.t().contiguous().t()) == by_operators  # a strided block takes the operators
+
+
+def test_point_masses_decode_to_exact_one_hots_and_refuse_tokens_outside_the_vocabulary():
+    """Prompt lookup's draft law (a sampled session's looked-up tokens): one sparse entry a
+    row, an fp16 1.0, decoded to exact one-hots."""
+    from specdec.wire import point_masses
+
+    tokens = [7, 0, 4095, 7]
+    enc = point_masses(tokens, 4096)
+    assert enc.sparse and enc.row_lengths == (1, 1, 1, 1) and enc.nbytes == 4 * 6 + 4 * 4
+    want = torch.zeros(4, 4096, dtype=torch.float64)
+    want[torch.arange(4), torch.tensor(tokens)] = 1.0
+    assert torch.equal(decode(enc, 4), want)
+    assert point_masses([], 4096).row_lengths == ()
+    for bad, vocab in (([4096], 4096), ([-1], 4096), ([0], 0)):
+        with pytest.raises(ValueError, match="point masses"):
+            point_masses(bad, vocab)
