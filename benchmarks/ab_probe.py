@@ -5,7 +5,8 @@ fairly only side by side. This starts one local stack (Redis, one draft and one 
 replica) with one orchestrator per arm, each with its own flags (say `--overlap-min-hit 2`
 against the default), and runs the same workload through every arm in turn, the order
 reversed every round, so a slow spell weighs on all arms alike. Each line gives a run's
-tokens/s, mean γ and share of pre-drafted rounds; the summary, each arm's mean and runs.
+tokens/s, mean γ, share of pre-drafted rounds, and of drafted tokens the share kept and
+the share looked up (prompt lookup); the summary, each arm's mean and runs.
 
 Seeds: (d) and (f) requests are seeded (request i gets seed 1000 + 100000·round + i, so
 every round samples its own texts and the arms of a round the same ones); (e) sends none,
@@ -81,7 +82,8 @@ async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, pe
                     results.setdefault((mode, streams, system, arm), []).append(run.tps)
                     shape = (f" γ {run.drafted / run.rounds:.2f} pre-drafted {run.overlap_hits / run.rounds:.2f}"
                              if run.rounds else "")
-                    shape += f" accepted {run.accepted / run.drafted:.2f}" if run.drafted else ""
+                    shape += (f" accepted {run.accepted / run.drafted:.2f} looked up {run.looked_up / run.drafted:.2f}"
+                              if run.drafted else "")
                     print(f"round {k + 1} {arm}: {mode} {streams} streams ({system}) {run.tps:.1f} tok/s{shape}",
                           flush=True)
     finally:

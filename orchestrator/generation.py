@@ -106,6 +106,7 @@ class Generator:
         self.retry_window = retry_window  # seconds a request id's whole answer stays for its retries
         self.waits = DraftWaits(draft_wait)
         self.lookup = ngram.lookup_mode(lookup)  # which sessions may draft by prompt lookup (ngram.MODES)
+        self.lookup_rates = ngram.LookupRates()  # a new session's lookup prior: its kind's recent rate
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
                                    overlap_min_hit, overlap_min_use, overlap_forks)
@@ -480,7 +481,7 @@ class Generator:
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
             top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs, ends=ends,
-            shapes=shaping.shapes(p))
+            shapes=shaping.shapes(p), lookup=self.lookup_rates.policy(p.greedy))
 
     @staticmethod
     def _score_prompt(gen: Generation, before: int, start: int) -> None:
@@ -625,7 +626,9 @@ class Generator:
         gen.stats.observe(gamma, verdict.accepted)
         if gen.looked_up:
             gen.stats.looked_up += gamma
-            gen.lookup.observe(gamma, verdict.accepted, None if gen.policy.greedy else verdict.keep_chances)
+            chances = None if gen.policy.greedy else verdict.keep_chances
+            gen.lookup.observe(gamma, verdict.accepted, chances)
+            self.lookup_rates.observe(gen.policy.greedy, gamma, verdict.accepted, chances)
         else:  # the policy learns the draft replica's acceptance, not the lookup's
             gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
         if gen.keeps_policy:  # committed with the round, for a retry to go on from

@@ -112,7 +112,7 @@ class Generation:
     line: int | None = None
     looked_up: bool = False  # this round's draft came from prompt lookup (orchestrator/ngram.py), not a draft replica
     ngram: NgramIndex | None = None  # the session's prompt-lookup index, made at its first lookup
-    lookup: LookupPolicy = field(default_factory=LookupPolicy)  # its lookups' length
+    lookup: LookupPolicy = field(default_factory=LookupPolicy)  # its lookups' length (from ngram.LookupRates)
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
     calls: list["Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping

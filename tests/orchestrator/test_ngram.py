@@ -113,3 +113,24 @@ def test_lookup_modes_and_the_flags_older_spelling():
     assert lookup_mode("on") == "greedy"  # --prompt-lookup on, from before sampled lookups
     with pytest.raises(ValueError, match="greedy, all, off"):
         lookup_mode("sampled")
+
+
+def test_a_new_session_starts_from_its_kinds_recent_lookups_not_a_fixed_prior():
+    """Sampled lookups that are seldom kept leave the next sampled session priced out from
+    its first round (it probes), while greedy sessions, whose lookups were kept, start
+    eager; each kind learns apart, and a session's prior weighs as the fixed one did."""
+    from orchestrator.ngram import LOOKUP_GAMMA, PRIOR_KEPT, PRIOR_MISSED, LookupRates
+
+    rates = LookupRates()
+    first = rates.policy(False)
+    assert first.rate == pytest.approx(0.6) and first.kept + first.missed == pytest.approx(PRIOR_KEPT + PRIOR_MISSED)
+    for _ in range(300):
+        rates.observe(False, 3, 0, [0.05, 0.002, 0.0001])
+        rates.observe(True, 4, 4)
+    sampled, greedy = rates.policy(False), rates.policy(True)
+    assert sampled.rate < 0.1 and greedy.rate > 0.95
+    assert sampled.kept + sampled.missed == pytest.approx(PRIOR_KEPT + PRIOR_MISSED)
+    assert sampled.choose(loaded_costs(1.0), LOOKUP_GAMMA) == 0  # priced out from the start
+    assert greedy.choose(loaded_costs(8.0), LOOKUP_GAMMA) == LOOKUP_GAMMA
+    rates.observe(False, 0, 0)  # nothing looked up: nothing learnt
+    assert rates.policy(False).rate == pytest.approx(sampled.rate)
