@@ -106,7 +106,7 @@ class Generator:
         self.retry_window = retry_window  # seconds a request id's whole answer stays for its retries
         self.waits = DraftWaits(draft_wait)
         self.lookup = ngram.lookup_mode(lookup)  # which sessions may draft by prompt lookup (ngram.MODES)
-        self.lookup_rates = ngram.LookupRates()  # a new session's lookup prior: its kind's recent rate
+        self.lookup_rates = ngram.LookupRates()  # a new sampled session's lookup prior: the recent rate
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
                                    overlap_min_hit, overlap_min_use, overlap_forks)
@@ -628,7 +628,8 @@ class Generator:
             gen.stats.looked_up += gamma
             chances = None if gen.policy.greedy else verdict.keep_chances
             gen.lookup.observe(gamma, verdict.accepted, chances)
-            self.lookup_rates.observe(gen.policy.greedy, gamma, verdict.accepted, chances)
+            if not gen.policy.greedy:
+                self.lookup_rates.observe(gamma, verdict.accepted, chances)
         else:  # the policy learns the draft replica's acceptance, not the lookup's
             gen.policy.observe(gamma, verdict.accepted, None if gen.policy.deterministic else verdict.keep_chances)
         if gen.keeps_policy:  # committed with the round, for a retry to go on from

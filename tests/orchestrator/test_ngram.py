@@ -115,22 +115,24 @@ def test_lookup_modes_and_the_flags_older_spelling():
         lookup_mode("sampled")
 
 
-def test_a_new_session_starts_from_its_kinds_recent_lookups_not_a_fixed_prior():
+def test_a_new_sampled_session_starts_from_the_recent_sampled_lookups_greedy_from_the_fixed_prior():
     """Sampled lookups that are seldom kept leave the next sampled session priced out from
-    its first round (it probes), while greedy sessions, whose lookups were kept, start
-    eager; each kind learns apart, and a session's prior weighs as the fixed one did."""
+    its first round (it probes); ones that are kept make it eager; a session's prior weighs
+    as the fixed one does, which greedy sessions keep."""
     from orchestrator.ngram import LOOKUP_GAMMA, PRIOR_KEPT, PRIOR_MISSED, LookupRates
 
     rates = LookupRates()
     first = rates.policy(False)
     assert first.rate == pytest.approx(0.6) and first.kept + first.missed == pytest.approx(PRIOR_KEPT + PRIOR_MISSED)
     for _ in range(300):
-        rates.observe(False, 3, 0, [0.05, 0.002, 0.0001])
-        rates.observe(True, 4, 4)
-    sampled, greedy = rates.policy(False), rates.policy(True)
-    assert sampled.rate < 0.1 and greedy.rate > 0.95
-    assert sampled.kept + sampled.missed == pytest.approx(PRIOR_KEPT + PRIOR_MISSED)
+        rates.observe(3, 0, [0.05, 0.002, 0.0001])
+    sampled = rates.policy(False)
+    assert sampled.rate < 0.1 and sampled.kept + sampled.missed == pytest.approx(PRIOR_KEPT + PRIOR_MISSED)
     assert sampled.choose(loaded_costs(1.0), LOOKUP_GAMMA) == 0  # priced out from the start
-    assert greedy.choose(loaded_costs(8.0), LOOKUP_GAMMA) == LOOKUP_GAMMA
-    rates.observe(False, 0, 0)  # nothing looked up: nothing learnt
+    assert rates.policy(True).rate == pytest.approx(0.6)  # greedy: the fixed prior
+    rates.observe(0, 0, None)  # nothing looked up: nothing learnt
     assert rates.policy(False).rate == pytest.approx(sampled.rate)
+    for _ in range(300):
+        rates.observe(4, 4, [0.99, 0.98, 0.97, 0.96])
+    assert rates.policy(False).rate > 0.9
+    assert rates.policy(False).choose(loaded_costs(8.0), LOOKUP_GAMMA) == LOOKUP_GAMMA
