@@ -53,6 +53,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         req.seed = args.seed
     if args.gamma is not None:
         req.num_speculative_tokens = args.gamma
+    if args.prompt_lookup is not None:
+        req.prompt_lookup = args.prompt_lookup == "on"
     return req
 
 
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, help="the sampling seed: the same request and seed give the same "
                     "tokens; unset = a random one, printed with the stats")
     ap.add_argument("--gamma", type=int, help="speculation length; unset = adaptive, 0 = target only")
+    ap.add_argument("--prompt-lookup", choices=("on", "off"),
+                    help="on: rounds may draft by prompt lookup, a sampled request's too (pays where the answer "
+                         "repeats its context); off: never; unset = the server's --prompt-lookup")
     ap.add_argument("--stop", action="append", help="stop before this string (repeatable)")
     ap.add_argument("--stop-token-id", type=int, action="append", metavar="ID",
                     help="also end the answer after this token id (repeatable; kept in the answer, as EOS is)")

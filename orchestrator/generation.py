@@ -481,7 +481,7 @@ class Generator:
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
             top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs, ends=ends,
-            shapes=shaping.shapes(p), lookup=self.lookup_rates.policy(p.greedy))
+            shapes=shaping.shapes(p), lookup=self.lookup_rates.policy(p.greedy), lookup_asked=req.lookup)
 
     @staticmethod
     def _score_prompt(gen: Generation, before: int, start: int) -> None:
@@ -554,16 +554,17 @@ class Generator:
         return draft
 
     def _may_look_up(self, gen: Generation) -> bool:
-        """Greedy sessions look up unless lookups are off; sampled ones only under `all`,
-        unseeded (a seeded session's rounds must not hang on the load, which prices a
-        lookup) and where the target replica registered its vocabulary, which the point
-        masses span; a request fixing γ = 0 never."""
+        """Greedy sessions look up unless lookups are off; sampled ones under `all` or where
+        the request asks (prompt_lookup), unseeded (a seeded session's rounds must not hang
+        on the load, which prices a lookup) and where the target replica registered its
+        vocabulary, which the point masses span; a request fixing γ = 0 or saying
+        prompt_lookup false never, nor any under `off`."""
         policy = gen.policy
-        if self.lookup == "off" or policy.fixed == 0:
+        if self.lookup == "off" or policy.fixed == 0 or gen.lookup_asked is False:
             return False
         if policy.greedy:
             return True
-        return (self.lookup == "all" and not policy.deterministic
+        return ((gen.lookup_asked or self.lookup == "all") and not policy.deterministic
                 and self.pools.vocab_size(gen.handle.target_replica) > 0)
 
     def _lookup_law(self, gen: Generation, draft: list[int]) -> replica_pb2.DraftDistributions | None:

@@ -41,6 +41,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # EOS does not end the answer
     processed_logprobs: bool = False  # log-probabilities of the sampled law, not the raw one
     min_tokens: int = 0  # the answer's end tokens are banned before it has this many
+    lookup: bool | None = None  # may draft by prompt lookup; None: as the server's --prompt-lookup says
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Generation:
     line: int | None = None
     looked_up: bool = False  # this round's draft came from prompt lookup (orchestrator/ngram.py), not a draft replica
     ngram: NgramIndex | None = None  # the session's prompt-lookup index, made at its first lookup
+    lookup_asked: bool | None = None  # the request's prompt_lookup (None: unset)
     lookup: LookupPolicy = field(default_factory=LookupPolicy)  # its lookups' length (from ngram.LookupRates)
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included

@@ -77,6 +77,13 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
     if pb.processed_logprobs and not (pb.logprobs or pb.prompt_logprobs):
         raise InvalidRequest("processed_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
+    lookup = pb.prompt_lookup if pb.HasField("prompt_lookup") else None
+    if lookup and gamma == 0:
+        raise InvalidRequest("prompt_lookup asks for drafted rounds and num_speculative_tokens 0 for none: "
+                             "leave one of them unset")
+    if lookup and pb.HasField("seed") and temperature > 0:
+        raise InvalidRequest("prompt_lookup cannot go with a seed at temperature > 0: a seeded request must "
+                             "reproduce, and where its rounds look up depends on the load")
     seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
     params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
                             seed=seed, min_p=float(pb.min_p), repetition_penalty=float(repetition),
@@ -88,7 +95,7 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                              request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
                              logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
                              stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos,
-                             processed_logprobs=pb.processed_logprobs, min_tokens=pb.min_tokens)
+                             processed_logprobs=pb.processed_logprobs, min_tokens=pb.min_tokens, lookup=lookup)
 
 
 def _logit_bias(pb, vocab_size: int) -> tuple[tuple[int, float], ...]:

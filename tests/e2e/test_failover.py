@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from tests.e2e.helpers import Streams, api, live_replicas, load_report, request, session_handles
+from tests.e2e.helpers import Streams, api, live_replicas, load_report, redis_client, request, session_handles
 from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
@@ -133,7 +133,9 @@ def test_sampled_sessions_look_up_under_all_and_keep_the_targets_law(stack, targ
     lookup, their draft law a point mass on each token (specdec.wire.point_masses), and the
     first token out of such a round still has the target's law (chi-square over 600
     requests, both the looked-up token and others drawn); seeded ones never look up (their
-    rounds must not hang on the load)."""
+    rounds must not hang on the load), nor ones saying prompt_lookup false. Under the
+    default (greedy lookups) a sampled request that asks (prompt_lookup true) looks up, and
+    a greedy one that says false does not, with the same answer."""
     import concurrent.futures as cf
 
     import torch
@@ -143,6 +145,12 @@ def test_sampled_sessions_look_up_under_all_and_keep_the_targets_law(stack, targ
 
     for rep in live_replicas(stack, "draft"):
         stack.kill(rep)
+    # until their registry entries expire, a killed replica is still picked and its calls fail:
+    # a fixed γ then decodes target-only, as it must (its draft is the one it measures)
+    registry, deadline = redis_client(stack), time.monotonic() + 30
+    while registry.keys("specdec:replica:draft:*") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not registry.keys("specdec:replica:draft:*")
     everyone = stack.start_orchestrator(extra=["--prompt-lookup", "all"])
     try:
         stub = api(everyone.address)
@@ -151,15 +159,15 @@ def test_sampled_sessions_look_up_under_all_and_keep_the_targets_law(stack, targ
         guess = NgramIndex().propose(ids, 1)
         assert guess, "the prompt must repeat its own last tokens"
 
-        def first(_):
-            got = stub.Generate(request(prompt, 2, temperature), timeout=120)
+        def first(_):  # a fixed γ with no draft replica looks up that many, whatever the policy's price
+            got = stub.Generate(request(prompt, 2, temperature, gamma=1), timeout=120)
             return got.token_ids[0], got.stats.lookup_drafted_tokens, got.stats.drafted_tokens
 
         with cf.ThreadPoolExecutor(16) as pool:
             runs = list(pool.map(first, range(n)))
         firsts = torch.tensor([t for t, _, _ in runs])
         assert all(looked == drafted for _, looked, drafted in runs)  # no draft replica drafted
-        assert sum(looked for _, looked, _ in runs) >= 0.8 * n  # the first round looked up
+        assert sum(looked for _, looked, _ in runs) == n  # the first round looked its token up
         kept = int((firsts == guess[0]).sum())
         assert 0 < kept < n, "both the looked-up token and others must have come out"
         with torch.no_grad():
@@ -169,9 +177,20 @@ def test_sampled_sessions_look_up_under_all_and_keep_the_targets_law(stack, targ
         for seed in (1, 2):
             seeded = stub.Generate(request(prompt, 24, temperature, seed=seed), timeout=120)
             assert seeded.stats.drafted_tokens == 0
+        assert stub.Generate(request(prompt, 24, temperature, prompt_lookup=False),
+                             timeout=120).stats.drafted_tokens == 0  # asked not to
     finally:
         stack.kill(everyone, sig=15)
         stack.orchestrators.remove(everyone)
+    # the default orchestrator (greedy lookups): a request decides for itself
+    stub = api(stack.orchestrator_address)
+    assert stub.Generate(request(prompt, 24, temperature), timeout=120).stats.drafted_tokens == 0
+    asked = [stub.Generate(request(prompt, 24, temperature, prompt_lookup=True), timeout=120) for _ in range(4)]
+    assert all(r.stats.lookup_drafted_tokens == r.stats.drafted_tokens for r in asked)
+    assert sum(r.stats.lookup_drafted_tokens for r in asked) > 0
+    greedy = stub.Generate(request(prompt, 24, 0.0, prompt_lookup=False), timeout=120)
+    assert greedy.stats.drafted_tokens == 0
+    assert list(greedy.token_ids) == list(stub.Generate(request(prompt, 24, 0.0), timeout=120).token_ids)
 
 
 def test_empty_target_pool_is_unavailable_with_a_clear_message(stack):

@@ -57,6 +57,9 @@ CASES = [
     ("malformed session id", _req(session_id="bad id with spaces"), INVALID, "session_id"),
     ("unknown session", _req(session_id="0123456789abcdef"), grpc.StatusCode.NOT_FOUND, "does not exist"),
     ("too many stop strings", _req(stop=["x"] * 40), INVALID, "stop strings"),
+    ("lookup without drafts", _req(prompt_lookup=True, num_speculative_tokens=0), INVALID, "prompt_lookup asks"),
+    ("lookup with a sampled seed", _req(prompt_lookup=True, seed=4, temperature=0.8), INVALID,
+     "prompt_lookup cannot go with a seed"),
 ]
 
 

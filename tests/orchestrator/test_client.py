@@ -112,6 +112,12 @@ def test_the_end_and_min_p_flags_reach_the_server(local_stack):
     assert refused.returncode == 1 and "error: INVALID_ARGUMENT: frequency_penalty" in refused.stderr
     bad = client("x", "--address", address, "--min-p", "1.5")
     assert bad.returncode == 1 and "error: INVALID_ARGUMENT: min_p" in bad.stderr
+    seeded_lookup = client("x", "--address", address, "--prompt-lookup", "on", "--temperature", "1", "--seed", "3")
+    assert seeded_lookup.returncode == 1 and "error: INVALID_ARGUMENT: prompt_lookup" in seeded_lookup.stderr
+    repeats = "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1, 2, 3]\n"
+    unlooked = client(repeats, "--address", address, "--max-new-tokens", "16", "--json", "--prompt-lookup", "off")
+    assert unlooked.returncode == 0, unlooked.stderr
+    assert int(json.loads(unlooked.stdout)["stats"].get("lookup_drafted_tokens", 0)) == 0
 
 
 @pytest.mark.parametrize("args, words", [
