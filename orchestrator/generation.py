@@ -579,8 +579,8 @@ class Generator:
         γ tokens looks them up instead where that is worth more tokens per millisecond: a
         lookup costs its round no draft call and no draft compute, so a likely one wins over
         a better draft (the bundled target's greedy answers repeat: a lookup kept at 0.88 a
-        token beats its draft's 0.77 plus the draft's call). The draft's cache then lacks the round's tokens, and its
-        next call feeds them. → the lookup, or [] (draft as planned)."""
+        token beats its draft's 0.77 plus the draft's call). The draft's cache then lacks the
+        round's tokens, and its next call feeds them. → the lookup, or [] (draft as planned)."""
         lookup = self._look_up(gen, remaining, m)
         if not lookup:
             return []

@@ -87,6 +87,7 @@ class LookupPolicy:
     kept: float = PRIOR_KEPT
     missed: float = PRIOR_MISSED
     idle: int = 0  # rounds in a row priced at γ = 0
+    decay: float = DECAY  # per observed round
 
     @property
     def rate(self) -> float:
@@ -101,11 +102,12 @@ class LookupPolicy:
         i = 1..γ that a prefix of i is kept; gamma_policy.keep_chances) count instead of the
         kept length: the same rate in expectation, with less noise."""
         chances = keep_chances(gamma, accepted, chances)
-        self.kept = DECAY * self.kept + sum(chances)
-        self.missed = DECAY * self.missed + (1.0 - chances[-1] if gamma else 0.0)
+        self.kept = self.decay * self.kept + sum(chances)
+        self.missed = self.decay * self.missed + (1.0 - chances[-1] if gamma else 0.0)
 
     def choose(self, costs: CostModel, limit: int) -> int:
-        best = max(range(limit + 1), key=lambda g: self.tokens(g) / costs.verify_round_ms(g))
+        tokens = expected_by_gamma([self.rate] * limit)  # `tokens` of γ = 0 .. limit at once
+        best = max(range(limit + 1), key=lambda g: tokens[g] / costs.verify_round_ms(g))
         self.idle = self.idle + 1 if best == 0 else 0
         if best == 0 and limit > 0 and self.idle % PROBE_EVERY == 0:
             return 1  # keep the rate current, or lookups could never come back
@@ -133,11 +135,11 @@ class LookupRates:
     read 0.97, 0.93 and 1.02 of its tokens/s at 1, 4 and 16 streams (07:19 UTC), no gain."""
 
     def __init__(self) -> None:
-        self.kept, self.missed = PRIOR_KEPT, PRIOR_MISSED
+        self.pool = LookupPolicy(decay=POOL_DECAY)  # every sampled session's rounds, counted as one's
 
     @property
     def rate(self) -> float:
-        return self.kept / (self.kept + self.missed)
+        return self.pool.rate
 
     def policy(self, greedy: bool) -> LookupPolicy:
         """A new session's policy: greedy, the fixed prior; sampled, the recent rate, worth
@@ -148,9 +150,6 @@ class LookupRates:
         return LookupPolicy(kept=weight * self.rate, missed=weight * (1.0 - self.rate))
 
     def observe(self, gamma: int, accepted: int, chances: Sequence[float] | None) -> None:
-        """A sampled looked-up round's outcome, counted as `LookupPolicy.observe` counts it."""
-        if gamma <= 0:
-            return
-        chances = keep_chances(gamma, accepted, chances)
-        self.kept = POOL_DECAY * self.kept + sum(chances)
-        self.missed = POOL_DECAY * self.missed + 1.0 - chances[-1]
+        """A sampled looked-up round's outcome."""
+        if gamma > 0:
+            self.pool.observe(gamma, accepted, chances)
