@@ -232,3 +232,31 @@ def test_a_new_load_is_measured_first_in_the_mode_chosen_at_the_nearest_load():
     assert not gov.keys[(False, 3)].preferred
     assert run_windows(gov, clock, 2, {True: 50.0, False: 45.0}, greedy=True, active=8) == [True, True], \
         "greedy, with no choice of its own yet, speculates first"
+
+
+def test_a_load_passed_through_before_any_choice_takes_the_nearest_choice_when_it_returns():
+    """A burst's wind-down makes a key for each load it passes, with the prior of that moment
+    (none chosen yet: speculation); once the nearest load has chosen target-only, the
+    passed-through load returns measuring target-only first, not its stale prior."""
+    gov, clock = loaded(4)
+    assert gov.speculating(False, 4), "nothing chosen anywhere yet: speculation first"
+    passed = gov.keys[(False, 2)]
+    clock.now += 0.3  # the wind-down goes on below this load
+    gov.load, gov.bucket = 16.0, 4
+    modes = run_windows(gov, clock, 6, {True: 20.0, False: 25.0})
+    assert modes[:4] == [True, True, False, False] and gov.keys[(False, 4)].preferred is False
+    clock.now += g.IDLE_S + 0.5
+    gov.load, gov.bucket = 4.0, 2
+    assert run_windows(gov, clock, 2, {True: 40.0, False: 45.0}, active=4) == [False, False]
+    assert gov.keys[(False, 2)] is passed and passed.off.windows == 2
+
+
+def test_a_measured_load_keeps_its_own_order_when_it_returns():
+    gov, clock = loaded(4)
+    assert run_windows(gov, clock, 1, {True: 40.0, False: 45.0}, active=4) == [True]
+    gov.load, gov.bucket = 16.0, 4
+    run_windows(gov, clock, 6, {True: 20.0, False: 25.0})
+    clock.now += g.IDLE_S + 0.5
+    gov.load, gov.bucket = 4.0, 2
+    assert run_windows(gov, clock, 3, {True: 40.0, False: 45.0}, active=4) == [True, False, False], \
+        "its first window measured speculation: its second follows, whatever 16 chose"
