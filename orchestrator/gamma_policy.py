@@ -81,7 +81,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from orchestrator.forward_costs import ForwardCosts
 
@@ -232,9 +232,8 @@ class CostModel:
     predraft_use: dict[bool, Ema] = field(default_factory=dict)  # under load: share of pre-drafts used, by greedy
     predraft_skipped: dict[bool, int] = field(default_factory=dict)
     observed: int = 0  # draft and verify calls observed
-    _table: list[float] = field(default_factory=list)  # round_ms by γ, as of `_table_at`
-    _table_at: int = 0
-    _table_alone: bool = True
+    # "round" or "verify" → (its ms by γ, `observed` when computed, `alone` then)
+    _tables: dict[str, tuple[list[float], int, bool]] = field(default_factory=dict)
 
     def observe_acceptance(self, greedy: bool, gamma: int, accepted: int,
                            chances: Sequence[float] | None = None) -> None:
@@ -403,12 +402,21 @@ class CostModel:
         """`round_ms` of γ = 0 .. max_gamma (at least), as a choice reads them: recomputed
         once `TABLE_REFRESH` calls have been observed since, or when the load regime
         (`alone`) flips, not on every choice of every session."""
+        return self._priced("round", self.round_ms, max_gamma)
+
+    def verify_table(self, max_gamma: int) -> list[float]:
+        """`verify_round_ms` of γ = 0 .. max_gamma (at least), kept as `round_table` is: a
+        prompt lookup's choice read every γ's price on every round of every session that may
+        look up, 56 µs a choice under load (the forward curve sorted twice a γ)."""
+        return self._priced("verify", self.verify_round_ms, max_gamma)
+
+    def _priced(self, name: str, price: Callable[[int], float], max_gamma: int) -> list[float]:
         alone = self.alone
-        if len(self._table) <= max_gamma or alone != self._table_alone \
-                or self.observed - self._table_at >= TABLE_REFRESH:
-            self._table = [self.round_ms(g) for g in range(max(max_gamma, MAX_GAMMA) + 1)]
-            self._table_at, self._table_alone = self.observed, alone
-        return self._table
+        table, at, was_alone = self._tables.get(name, ((), 0, alone))
+        if len(table) <= max_gamma or alone != was_alone or self.observed - at >= TABLE_REFRESH:
+            table = [price(g) for g in range(max(max_gamma, MAX_GAMMA) + 1)]
+            self._tables[name] = (table, self.observed, alone)
+        return table
 
 
 REFERENCE = None  # set below: the cost model a deterministic policy uses

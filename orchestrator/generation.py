@@ -585,7 +585,7 @@ class Generator:
         if not lookup:
             return []
         drafted = gen.policy.expected_tokens(gamma) / self.costs.round_table(gamma)[gamma]
-        if gen.lookup.tokens(len(lookup)) / self.costs.verify_round_ms(len(lookup)) > drafted:
+        if gen.lookup.tokens(len(lookup)) / self.costs.verify_table(len(lookup))[len(lookup)] > drafted:
             return lookup
         gen.looked_up = False
         return []

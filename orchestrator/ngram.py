@@ -79,7 +79,7 @@ class NgramIndex:
 @dataclass
 class LookupPolicy:
     """One session's lookup length: the γ that maximises expected tokens per unit of the
-    round's measured time (CostModel.verify_round_ms: no draft call), under the rate at
+    round's measured time (CostModel.verify_table: no draft call), under the rate at
     which this session's looked-up tokens were kept, each given the one before (a decayed
     count of kept tokens against rounds cut by a miss, from a prior worth five tokens: 0.6,
     or for a sampled session the rate of this process's recent sampled lookups,
@@ -107,7 +107,8 @@ class LookupPolicy:
 
     def choose(self, costs: CostModel, limit: int) -> int:
         tokens = expected_by_gamma([self.rate] * limit)  # `tokens` of γ = 0 .. limit at once
-        best = max(range(limit + 1), key=lambda g: tokens[g] / costs.verify_round_ms(g))
+        ms = costs.verify_table(limit)
+        best = max(range(limit + 1), key=lambda g: tokens[g] / ms[g])
         self.idle = self.idle + 1 if best == 0 else 0
         if best == 0 and limit > 0 and self.idle % PROBE_EVERY == 0:
             return 1  # keep the rate current, or lookups could never come back

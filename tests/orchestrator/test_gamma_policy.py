@@ -85,6 +85,24 @@ def test_choices_read_round_times_at_most_a_few_calls_old():
     assert costs.round_table(8) == [costs.round_ms(g) for g in range(9)]
 
 
+def test_a_lookups_choice_reads_verify_times_kept_as_the_round_times_are():
+    """Prompt lookup prices a round with no draft call (`verify_round_ms`) on every round of
+    every session that may look up: its table is kept the same way, apart from round_table's."""
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
+    first = list(costs.verify_table(4))
+    assert first == [costs.verify_round_ms(g) for g in range(len(first))] and len(first) > 4
+    assert first != costs.round_table(4)[: len(first)], "the draft call is not in a lookup's price"
+    costs.observe_verify(4, 40.0, 1, 30.0)
+    assert costs.verify_table(4) == first and costs.verify_round_ms(4) > first[4]
+    for _ in range(TABLE_REFRESH - 1):
+        costs.observe_verify(4, 40.0, 1, 30.0)
+    assert costs.verify_table(4)[4] == costs.verify_round_ms(4) > first[4]
+    while costs.alone:
+        costs.observe_verify(4, 40.0, 16, 30.0, 80)
+    assert costs.verify_table(4) == [costs.verify_round_ms(g) for g in range(len(first))]
+
+
 def test_a_rounds_own_overhead_is_priced_once_a_round_and_only_while_alone():
     """Time a round spends outside its calls is paid whatever γ is: counting it lifts every
     γ's round by the same amount, so a round of one token (γ = 0) loses the small margin
