@@ -101,6 +101,7 @@ def verify_slope(batch_size: int) -> float:
 
 
 EXPLORE_EVERY = 8  # every 8th adaptive round of a session tries a neighbour of its best γ
+PLAIN_EVERY = 3  # and every 3rd of those below it tries γ = 0 (one round in 48 a plain one)
 MEASURED_AFTER = 4  # calls with a given γ before their measured time replaces the model
 FRESH_CALLS = 100  # a measured γ not run for this many calls (served alone) is stale
 ALONE_BELOW = 1.5  # mean sessions per verify batch under which the measured times are used
@@ -547,10 +548,8 @@ class SessionPolicy:
         self.rounds += 1
         self.probing = False
         if best > 0 and not self.deterministic and costs.alone and self.rounds % EXPLORE_EVERY == 0:
-            # a neighbour, above and below by turns, so that its cost gets measured
-            step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
             self.probing = True
-            return min(self.max_gamma, max(0, best + step))
+            return self._explore(best)
         if best == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero % 16 == 0:
@@ -559,6 +558,22 @@ class SessionPolicy:
         else:
             self.rounds_at_zero = 0
         return best
+
+
+    def _explore(self, best: int) -> int:
+        """The γ an exploring round tries, so that its cost gets measured: a neighbour of
+        the best, above and below by turns, and every `PLAIN_EVERY`th time below, γ = 0. A
+        session alone is never governed (orchestrator/governor.py), so only this measures
+        what plain decoding costs it; unmeasured, the γ = 0 round is priced by the linear
+        model scaled to the drafting rounds, which holds only while the target's forward
+        grows with the tokens verified as the model's slope says. Where the target's
+        multi-token forwards ran slow (t = 1, one stream, `make bench` 2026-12-06 09:28 UTC:
+        a verification of 5 tokens 6.1 ms in the replica against 2.4 in one process),
+        (e) speculated at mean γ 5.08 and made 328.6 tokens/s against 413.7 target-only."""
+        turn = self.rounds // EXPLORE_EVERY
+        if turn % 2:
+            return min(self.max_gamma, best + 1)
+        return 0 if turn % (2 * PLAIN_EVERY) == 0 else best - 1
 
 
 def _reference() -> CostModel:

@@ -5,7 +5,7 @@ import operator
 
 import pytest
 
-from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, MEASURED_AFTER, PREDRAFT_PROBE_EVERY,
+from orchestrator.gamma_policy import (EXPLORE_EVERY, FRESH_CALLS, PLAIN_EVERY, MEASURED_AFTER, PREDRAFT_PROBE_EVERY,
                                        PREDRAFT_USE_AFTER, TABLE_REFRESH, CostModel, PositionRates,
                                        SessionPolicy, expected_by_gamma, keep_chances,
                                        verify_slope)
@@ -162,8 +162,9 @@ def test_exploration_tries_both_neighbours_now_and_then_and_never_when_determini
     _observe(costs, [3] * 50, net=2.0, draft_step=1.0, target_step=10.0, batch=1)
     policy = _policy(0.7)
     best = max(range(9), key=lambda g: expected_tokens(0.7, g) / costs.round_ms(g))
-    picks = [policy.choose(costs) for _ in range(8 * EXPLORE_EVERY)]
-    assert picks.count(best + 1) == 4 and picks.count(best - 1) == 4 and picks.count(best) == len(picks) - 8
+    picks = [policy.choose(costs) for _ in range(2 * PLAIN_EVERY * EXPLORE_EVERY)]
+    assert best > 1 and picks.count(best + 1) == PLAIN_EVERY and picks.count(best - 1) == PLAIN_EVERY - 1
+    assert picks.count(0) == 1 and picks.count(best) == len(picks) - 2 * PLAIN_EVERY
     seeded = SessionPolicy(accepted=700.0, trials=1000.0, deterministic=True)
     assert len({seeded.choose(costs) for _ in range(8 * EXPLORE_EVERY)}) == 1
 
@@ -424,3 +425,24 @@ def test_a_probe_of_the_draft_says_so_so_that_no_lookup_takes_its_place():
     assert [p for p in picks if p[1]] == [(2, True), (2, True)]
     assert all(g == 0 for g, probing in picks if not probing)
     assert "probing" not in policy.snapshot()  # not state a retry restores
+
+
+def test_a_session_alone_measures_plain_rounds_and_decodes_plainly_where_they_pay():
+    """The linear model prices γ = 0 from the drafting rounds' forwards; where a forward of
+    several tokens costs far more than its slope says (a kernel's jump past one row), it
+    overprices the plain round and would keep a session alone speculating at a loss. Its
+    explorations try γ = 0 now and then, and the measured time decides."""
+    def truth(g: int) -> tuple[float, float]:  # (draft call ms, verify call ms)
+        return (0.5 + 0.2 * g, 3.0 if g == 0 else 12.0 + 0.3 * g)
+    costs, policy, picks = CostModel(), _policy(0.6), []
+    for _ in range(600):
+        g = policy.choose(costs)
+        picks.append((g, policy.probing))
+        draft, verify = truth(g)
+        if g:
+            costs.observe_draft(g, draft, draft - 0.3)
+        costs.observe_verify(g, verify, 1, verify - 1.0)
+    tokens = [expected_tokens(0.6, g) / (truth(g)[1] + (g and truth(g)[0])) for g in range(9)]
+    assert max(range(9), key=tokens.__getitem__) == 0, "plain decoding is the better choice here"
+    assert any(g > 1 for g, _ in picks[:20]), "the model's price of γ = 0 first says speculate"
+    assert all(g == 0 for g, probing in picks[-100:] if not probing)
