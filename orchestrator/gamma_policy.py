@@ -559,7 +559,6 @@ class SessionPolicy:
             self.rounds_at_zero = 0
         return best
 
-
     def _explore(self, best: int) -> int:
         """The γ an exploring round tries, so that its cost gets measured: a neighbour of
         the best, above and below by turns, and every `PLAIN_EVERY`th time below, γ = 0. A
