@@ -77,6 +77,19 @@ PREFILL_CHUNK = 256
 # seconds (its handle, without caches), so that a retry whose answer was lost gets it again
 RETRY_WINDOW_S = 120
 
+# a timed-out internal call within this of the client's deadline was cut by that deadline: the
+# timers that cut it fire up to a millisecond early (uvloop's count whole milliseconds)
+DEADLINE_SLACK_S = 0.005
+
+
+def deadline_passed(deadline: float | None, now: float) -> bool:
+    """Whether an internal call that timed out at `now` ran into the client's deadline,
+    rather than a replica falling silent. Read strictly (now ≥ deadline), a call cut a
+    fraction of a millisecond early by its timer marked a healthy target replica down and
+    answered the client UNAVAILABLE ("no live target replica ... beyond the 1 that failed
+    this call") instead of DEADLINE_EXCEEDED (tests/e2e/test_access_log.py, 2026-12-06)."""
+    return deadline is not None and now >= deadline - DEADLINE_SLACK_S
+
 
 class Generator:
     """Runs generations: opens or resumes a session's handle, loops rounds to the end, and
@@ -352,7 +365,7 @@ class Generator:
         """Decide what a failed internal call means for the session; → the replica it found
         down (the session moves off it), else nothing."""
         code = exc.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline_passed(deadline, time.monotonic()):
             raise DeadlineExceeded("the client's deadline passed during generation")
         address = handle.draft_replica if kind == "draft" else handle.target_replica
         if code in CACHE_LOST:  # evicted or out of step: rebuild this replica's cache

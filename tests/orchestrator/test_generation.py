@@ -117,3 +117,14 @@ def test_a_rounds_commit_lands_in_place_when_the_next_round_is_applied_before_it
     assert emitted == news
     assert stored.committed == tokenizer(PROMPT)["input_ids"] + [t for new in news for t in new]
     assert stored.length == stored.cursor.target_len + 1
+
+
+def test_a_call_cut_just_before_the_clients_deadline_was_cut_by_it():
+    """Timers fire up to a millisecond early (uvloop's count whole milliseconds): a call they
+    cut that close to the client's deadline is the deadline's, not a silent replica's (which
+    would be marked down, and the client answered UNAVAILABLE)."""
+    from orchestrator.generation import DEADLINE_SLACK_S, deadline_passed
+
+    assert deadline_passed(10.0, 10.0) and deadline_passed(10.0, 10.5)
+    assert deadline_passed(10.0, 9.9996) and DEADLINE_SLACK_S <= 0.01
+    assert not deadline_passed(10.0, 9.9) and not deadline_passed(None, 10.0)
