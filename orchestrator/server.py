@@ -12,7 +12,7 @@ import uuid
 import grpc
 from google.protobuf.message import DecodeError
 
-from orchestrator import ngram
+from orchestrator import access_log, ngram
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import (DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, RETRY_WINDOW_S,
                                     STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome)
@@ -68,6 +68,13 @@ def prompt_logprobs_pb(out: Outcome) -> list[pb.TokenLogprob]:
         return []
     tokens, scores = zip(*out.prompt_logprobs)
     return logprobs_pb(list(tokens), list(scores))
+
+
+def _gone(deadline: float | None) -> tuple[grpc.StatusCode, str]:
+    """Why gRPC cancelled a call in flight, for the access log: its deadline, or its client."""
+    if deadline is not None and time.monotonic() >= deadline:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
+    return grpc.StatusCode.CANCELLED, "the client went away"
 
 
 def observe_latency(method: str, out: Outcome) -> None:
@@ -145,6 +152,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return None if left is None else time.monotonic() + left
 
     async def Generate(self, request, context):
+        # the peer and the deadline now: asked once the call has ended (its deadline passed,
+        # its client gone), gRPC may answer None, or take the process down with it
+        started, peer, deadline = time.perf_counter(), context.peer(), self._deadline(context)
         text, scores = [], []
 
         async def emit(chunk: str, new: list[int], logprobs: list[TokenLogprob] | None) -> None:
@@ -157,19 +167,26 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             self._admit()
             self.active += 1
             try:
-                out = await self.gen.run(req, emit, self._deadline(context))
+                out = await self.gen.run(req, emit, deadline)
             finally:
                 self.active -= 1
         except SpecDecError as exc:
             metrics.REQUESTS.labels("Generate", status_of(exc).name).inc()
+            access_log.record("Generate", status_of(exc), started, request, None, peer, str(exc))
             await abort(context, exc)
+        except asyncio.CancelledError:
+            code, why = _gone(deadline)
+            access_log.record("Generate", code, started, request, None, peer, why)
+            raise
         metrics.REQUESTS.labels("Generate", "OK").inc()
         observe_latency("Generate", out)
+        access_log.record("Generate", grpc.StatusCode.OK, started, request, out, peer)
         return pb.GenerateResponse(text="".join(text), token_ids=out.tokens, session_id=out.session_id,
                                    finish_reason=FINISH[out.finish_reason], stats=stats_pb(out),
                                    logprobs=logprobs_pb(out.tokens, scores), prompt_logprobs=prompt_logprobs_pb(out))
 
     async def GenerateStream(self, request, context):
+        started, peer, deadline = time.perf_counter(), context.peer(), self._deadline(context)  # as Generate's
         queue: asyncio.Queue = asyncio.Queue()
 
         async def emit(chunk: str, new: list[int], logprobs: list[TokenLogprob] | None) -> None:
@@ -180,9 +197,10 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             self._admit()
         except SpecDecError as exc:
             metrics.REQUESTS.labels("GenerateStream", status_of(exc).name).inc()
+            access_log.record("GenerateStream", status_of(exc), started, request, None, peer, str(exc))
             await abort(context, exc)
         self.active += 1
-        task = asyncio.create_task(self.gen.run(req, emit, self._deadline(context)))
+        task = asyncio.create_task(self.gen.run(req, emit, deadline))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while True:
@@ -193,10 +211,13 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             out = task.result()
         except SpecDecError as exc:
             metrics.REQUESTS.labels("GenerateStream", status_of(exc).name).inc()
+            access_log.record("GenerateStream", status_of(exc), started, request, None, peer, str(exc))
             await abort(context, exc)
         finally:
             self.active -= 1
             if not task.done():  # the client went away: stop the loop, release the caches
+                code, why = _gone(deadline)
+                access_log.record("GenerateStream", code, started, request, None, peer, why)
                 task.cancel()
                 try:
                     await task
@@ -204,6 +225,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                     pass
         metrics.REQUESTS.labels("GenerateStream", "OK").inc()
         observe_latency("GenerateStream", out)
+        access_log.record("GenerateStream", grpc.StatusCode.OK, started, request, out, peer)
         yield pb.GenerateStreamResponse(session_id=out.session_id, finish_reason=FINISH[out.finish_reason],
                                         stats=stats_pb(out), prompt_logprobs=prompt_logprobs_pb(out))
 
@@ -334,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the same for sampled sessions (temperature > 0); 0 = off, the default: on the bundled "
                          "pair no threshold paid there even in process (benchmarks.stop_rule_probe) "
                          "[SPECDEC_STOP_BELOW_SAMPLED]")
+    ap.add_argument("--access-log", choices=("on", "off"), default=env("ACCESS_LOG", "on"),
+                    help="one log line per finished Generate or GenerateStream call (method, status, ms, peer, "
+                         "session, tokens, finish reason, replicas, rounds, mean γ, acceptance; fields of the "
+                         "JSON object under --log-format json), whatever --log-level says "
+                         "(orchestrator/access_log.py) [SPECDEC_ACCESS_LOG]")
     ap.add_argument("--load-governor", choices=("on", "off"), default=env("LOAD_GOVERNOR", "on"),
                     help="while several generations run: turn adaptive speculation off for a sampling kind "
                          "and load where, measured window by window against target-only decoding, it is "
@@ -389,6 +416,7 @@ def max_context(args) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     setup_logging(args.log_level, args.log_format)
+    access_log.configure(args.access_log == "on")
     with refusing_to_start("orchestrator"):
         tokenizer = load_tokenizer(args.tokenizer)
         context = max_context(args)

@@ -141,6 +141,8 @@ class JsonLogFormatter(logging.Formatter):
                  "level": record.levelname, "logger": record.name, "message": record.getMessage()}
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
+        for key, value in getattr(record, "fields", {}).items():  # a record's own facts (orchestrator/access_log.py)
+            entry.setdefault(key, value)
         return json.dumps(entry, ensure_ascii=False)
 
 

@@ -21,6 +21,7 @@ from orchestrator.server import main
     (["--retry-window", "0"], "--retry-window must be at least 1 second, got 0"),
     (["--reap-interval", "-1"], "--reap-interval must be a finite number of seconds, 0 (off) or more, got -1.0"),
     (["--prompt-lookup", "sampled"], "argument --prompt-lookup: invalid choice: 'sampled'"),
+    (["--access-log", "yes"], "argument --access-log: invalid choice: 'yes'"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
     with pytest.raises(SystemExit) as exit_:
