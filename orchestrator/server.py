@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from orchestrator import access_log, ngram
 from orchestrator.gamma_policy import CostModel
 from orchestrator.generation import (DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, RETRY_WINDOW_S,
-                                    STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome)
+                                    STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome, deadline_passed)
 from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.reaper import INTERVAL_S as REAP_INTERVAL_S, Reaper
@@ -71,8 +71,9 @@ def prompt_logprobs_pb(out: Outcome) -> list[pb.TokenLogprob]:
 
 
 def _gone(deadline: float | None) -> tuple[grpc.StatusCode, str]:
-    """Why gRPC cancelled a call in flight, for the access log: its deadline, or its client."""
-    if deadline is not None and time.monotonic() >= deadline:
+    """Why gRPC cancelled a call in flight, for the access log: its deadline (read as the
+    loop reads an internal call's, whose timers fire up to a millisecond early), or its client."""
+    if deadline_passed(deadline, time.monotonic()):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
     return grpc.StatusCode.CANCELLED, "the client went away"
 
