@@ -327,13 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"seconds between checks for sessions an orchestrator that died left running (default "
                          f"{REAP_INTERVAL_S:g}; 0 = none): once the dead call's --session-lease has run out, their "
                          f"caches and handles are released, not left for --session-ttl [SPECDEC_REAP_INTERVAL]")
-    ap.add_argument("--draft-pool", default=env("DRAFT_POOL", "draft"), help="[SPECDEC_DRAFT_POOL]")
-    ap.add_argument("--target-pool", default=env("TARGET_POOL", "target"), help="[SPECDEC_TARGET_POOL]")
+    ap.add_argument("--draft-pool", default=env("DRAFT_POOL", "draft"),
+                    help="the draft replicas' pool in the Redis registry: their --pool (default draft) "
+                         "[SPECDEC_DRAFT_POOL]")
+    ap.add_argument("--target-pool", default=env("TARGET_POOL", "target"),
+                    help="the target replicas' pool in the Redis registry: their --pool (default target) "
+                         "[SPECDEC_TARGET_POOL]")
     ap.add_argument("--api-token-file", default=env("API_TOKEN_FILE"),
                     help="file with the bearer token clients must send; unset = no auth [SPECDEC_API_TOKEN_FILE]")
     ap.add_argument("--client-cert-file", default=env("CLIENT_CERT_FILE"),
                     help="client certificate for mutual TLS to the pools [SPECDEC_CLIENT_CERT_FILE]")
-    ap.add_argument("--client-key-file", default=env("CLIENT_KEY_FILE"), help="[SPECDEC_CLIENT_KEY_FILE]")
+    ap.add_argument("--client-key-file", default=env("CLIENT_KEY_FILE"),
+                    help="key (PEM) of --client-cert-file [SPECDEC_CLIENT_KEY_FILE]")
     ap.add_argument("--pool-ca-file", default=env("POOL_CA_FILE"),
                     help="CA that signed the pools' certificates; set = TLS to the pools [SPECDEC_POOL_CA_FILE]")
     ap.add_argument("--overlap-min-hit", type=float, default=float(env("OVERLAP_MIN_HIT", 0.25)),

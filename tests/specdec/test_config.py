@@ -1,11 +1,15 @@
-"""The servers' shared flags: log level and format."""
+"""The servers' shared flags: log level and format; every CLI flag described."""
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
+
+import pytest
 
 from specdec.config import JsonLogFormatter
 
@@ -47,3 +51,14 @@ def test_a_server_logs_json_lines_when_asked():
     entries = [json.loads(line) for line in lines]  # fails on any line that is not JSON
     assert any(e["logger"] == "orchestrator.server" and "serving on 127.0.0.1" in e["message"] for e in entries)
     assert all(e["level"] in ("INFO", "WARNING") for e in entries)
+
+
+@pytest.mark.parametrize("module", ["orchestrator.server", "orchestrator.client",
+                                    "draft_service.server", "target_service.server"])
+def test_every_flag_says_what_it_does(module):
+    """--help is the reference a user reads first: a flag listed with nothing but its
+    environment variable tells them nothing."""
+    parser = importlib.import_module(module).build_parser()
+    bare = [action.option_strings for action in parser._actions
+            if not re.sub(r"\[SPECDEC_\w+\]", "", action.help or "").strip()]
+    assert not bare, f"{module}: flags without a description: {bare}"
