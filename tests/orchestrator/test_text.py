@@ -1,7 +1,9 @@
 """Incremental detokenisation and stop strings with the bundled tokenizer."""
+import copy
+
 import pytest
 
-from orchestrator.text import TextStream
+from orchestrator.text import TextStream, plain_decoder
 
 TEXT = "def greet(name):\n    print(f'héllo, {name} ✓')\n    return None\n"
 
@@ -89,3 +91,33 @@ def test_a_stop_string_begun_before_min_tokens_ends_the_text_once_a_later_token_
         assert stream.stopped and text == TWICE[: TWICE.index(stop)] and sum(kept) == completes
     stream = TextStream(tokenizer, [stop], min_tokens=completes + 1)
     assert feed(stream, ids, 1)[0] == TWICE and not stream.stopped
+
+
+def test_the_direct_decode_gives_the_wrappers_text(tokenizer):
+    """plain_decoder skips Hugging Face's decode wrapper for the bundled tokenizer; every
+    window a stream may decode must read the same either way."""
+    import random
+
+    decode = plain_decoder(tokenizer)
+    assert decode.func is not tokenizer.decode  # the Rust tokenizer's own call
+    ids = tokenizer(TEXT + "<|endoftext|> and after")["input_ids"]
+    rng = random.Random(0)
+    windows = [ids[i:j] for i in range(len(ids)) for j in range(i, min(len(ids), i + 6) + 1)]
+    windows += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 8))] for _ in range(3000)]
+    for window in windows:
+        assert decode(window) == tokenizer.decode(window, skip_special_tokens=True), window
+
+
+def test_a_tokenizer_that_cleans_up_spaces_or_decodes_its_own_way_keeps_its_decode(tokenizer):
+    cleaning = copy.copy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert plain_decoder(cleaning).func == cleaning.decode
+
+    class Shouting(type(tokenizer)):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = tokenizer(TEXT)["input_ids"]
+    assert plain_decoder(shouting)(ids) == TEXT.upper()
