@@ -55,6 +55,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         req.num_speculative_tokens = args.gamma
     if args.prompt_lookup is not None:
         req.prompt_lookup = args.prompt_lookup == "on"
+    for role, content in args.message or []:
+        req.messages.add(role=role, content=content)
     return req
 
 
@@ -65,6 +67,14 @@ def token_bias(text: str) -> tuple[int, float]:
         return int(token), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (say 50256=-100), got {text!r}") from None
+
+
+def chat_message(text: str) -> tuple[str, str]:
+    """ROLE:TEXT, as --message takes it: the role up to the first colon, the text after it."""
+    role, sep, content = text.partition(":")
+    if not sep or not role.strip():
+        raise argparse.ArgumentTypeError(f"expected ROLE:TEXT (say user:Hello), got {text!r}")
+    return role.strip(), content
 
 
 def format_stats(s: pb.GenerationStats) -> str:
@@ -83,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompt", nargs="?", help="prompt text ('-' reads standard input); with --session-id it "
                     "continues the session and may be empty")
+    ap.add_argument("--message", type=chat_message, action="append", metavar="ROLE:TEXT",
+                    help="a turn of a conversation, in place of the prompt (repeatable, in order, e.g. "
+                         "--message 'system:Answer briefly.' --message 'user:What is 2 + 2?'): rendered by the "
+                         "model's chat template, with the opening of the assistant's turn after the last")
     ap.add_argument("--address", default="127.0.0.1:50051", help="the orchestrator, host:port (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -146,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.end_session is not None and args.prompt is not None:
         ap.error("--end-session takes no prompt")
-    if args.end_session is None and args.prompt is None:
-        ap.error("give a prompt ('-' reads standard input), or --end-session ID")
+    if args.message and (args.prompt is not None or args.end_session is not None or args.session_id):
+        ap.error("--message takes no prompt, --end-session or --session-id: the messages are the whole conversation")
+    if args.end_session is None and args.prompt is None and not args.message:
+        ap.error("give a prompt ('-' reads standard input), --message ROLE:TEXT, or --end-session ID")
     if not 0 <= args.top_logprobs <= 20:
         ap.error(f"--top-logprobs must lie in 0..20, got {args.top_logprobs}")
     if args.retries < 0:

@@ -128,14 +128,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return not self.active
 
     async def _request(self, request):
-        """The checked request. A long prompt is tokenized in a worker thread (the tokenizer
+        """The checked request. A long prompt (or conversation) is tokenized in a worker thread (the tokenizer
         releases the GIL): on the event loop, 200,000 characters would hold every other
         generation's rounds for about 0.1 s here (40 ms for 83,000, ad hoc, 2026-12-05)."""
         if isinstance(request, _BadMessage):
             raise InvalidRequest(f"the request is not a valid GenerateRequest (check that strings are UTF-8): "
                                  f"{request.error}")
         args = (request, self.gen.tokenizer, self.vocab_size, self.gen.max_len, self.max_new_tokens)
-        if len(request.prompt) > INLINE_PROMPT_CHARS:
+        if len(request.prompt) + sum(len(m.content) for m in request.messages) > INLINE_PROMPT_CHARS:
             return await asyncio.to_thread(validate, *args)
         return validate(*args)
 

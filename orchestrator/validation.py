@@ -8,7 +8,7 @@ import re
 from orchestrator import request_ids
 from orchestrator.gamma_policy import MAX_GAMMA
 from orchestrator.generation import GenerationRequest
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, PreconditionFailed
 from specdec.logprobs import MAX_TOP
 from specdec.sampling import SamplingParams
 from specdec.shaping import MAX_BIAS, MAX_BIASED
@@ -19,17 +19,24 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKENS = 16
 MAX_REPETITION = 10.0
+MAX_MESSAGES = 256
+MAX_ROLE_CHARS = 64
 
 
 def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit: int) -> GenerationRequest:
     if pb.prompt and pb.prompt_token_ids:
         raise InvalidRequest("give either prompt or prompt_token_ids, not both")
+    if pb.messages and (pb.prompt or pb.prompt_token_ids):
+        raise InvalidRequest(f"give messages or {'prompt' if pb.prompt else 'prompt_token_ids'}, not both")
+    if pb.messages and pb.session_id:
+        raise InvalidRequest("messages are a whole conversation and go without session_id: to continue one, "
+                             "send it whole again (the replicas reuse the part they have seen)")
     if pb.session_id and not SESSION_ID.match(pb.session_id):
         raise InvalidRequest("session_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
     if pb.request_id and not SESSION_ID.match(pb.request_id):
         raise InvalidRequest("request_id must be 1..128 characters of letters, digits, '_', '-', '.', ':'")
-    if not pb.prompt and not pb.prompt_token_ids and not pb.session_id:
-        raise InvalidRequest("the prompt is empty: give prompt text or prompt_token_ids")
+    if not pb.prompt and not pb.prompt_token_ids and not pb.messages and not pb.session_id:
+        raise InvalidRequest("the prompt is empty: give prompt text, prompt_token_ids or messages")
     if len(pb.prompt) > MAX_PROMPT_CHARS:
         raise InvalidRequest(f"the prompt has {len(pb.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
     if pb.prompt_token_ids:
@@ -37,6 +44,8 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
         bad = [t for t in ids if t < 0 or t >= vocab_size]
         if bad:
             raise InvalidRequest(f"prompt_token_ids must lie in 0..{vocab_size - 1}; got {bad[0]}")
+    elif pb.messages:
+        ids = chat_prompt_ids(tokenizer, pb.messages)
     else:
         ids = tokenizer(pb.prompt)["input_ids"] if pb.prompt else []
     if len(ids) >= max_len:
@@ -96,6 +105,31 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
                              logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
                              stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos,
                              processed_logprobs=pb.processed_logprobs, min_tokens=pb.min_tokens, lookup=lookup)
+
+
+def chat_prompt_ids(tokenizer, messages) -> list[int]:
+    """A conversation → its prompt: the tokenizer's chat template over the turns, then the
+    template's generation prompt (the opening of the assistant's turn), tokenised without
+    special tokens of the tokenizer's own, since the template writes those it wants (a BOS)."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for i, m in enumerate(messages):
+        if not m.role or len(m.role) > MAX_ROLE_CHARS:
+            raise InvalidRequest(f"messages[{i}].role must be 1..{MAX_ROLE_CHARS} characters, got {len(m.role)}")
+    chars = sum(len(m.content) for m in messages)
+    if chars > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"the messages have {chars} characters; the limit is {MAX_PROMPT_CHARS}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise PreconditionFailed("this model's tokenizer (the orchestrator's --tokenizer) has no chat template: "
+                                 "send prompt or prompt_token_ids instead of messages")
+    from jinja2 import TemplateError
+
+    turns = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:  # what a template raises for turns it does not take (roles out of order)
+        raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from exc
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _logit_bias(pb, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -133,8 +133,10 @@ def test_a_failed_call_is_one_line_with_its_status(local_stack, args, words):
 
 
 @pytest.mark.parametrize("args, words", [
-    ([], "give a prompt ('-' reads standard input), or --end-session ID"),
+    ([], "give a prompt ('-' reads standard input), --message ROLE:TEXT, or --end-session ID"),
     (["x", "--end-session", "abc"], "--end-session takes no prompt"),
+    (["--message", "no role here"], "expected ROLE:TEXT (say user:Hello), got 'no role here'"),
+    (["x", "--message", "user:hi"], "--message takes no prompt, --end-session or --session-id"),
 ])
 def test_a_usage_error_says_what_is_missing(args, words):
     done = client(*args)
