@@ -102,11 +102,12 @@ class Generator:
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
                  governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
                  prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S,
-                 lookup: str = "greedy") -> None:
+                 lookup: str = "greedy", end_ids: frozenset[int] | None = None) -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
+        # the model's end-of-sequence tokens (specdec.models.end_token_ids); the tokenizer's EOS by default
+        self.end_ids = frozenset({tokenizer.eos_token_id} - {None}) if end_ids is None else end_ids
         self.max_len = max_len
         self.costs = costs or CostModel()
         self.call_timeout = call_timeout
@@ -481,7 +482,7 @@ class Generator:
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None,
                prompt_len: int) -> Generation:
-        ends = Ends(None if req.ignore_eos else self.eos_id, req.stop_token_ids)
+        ends = Ends(frozenset() if req.ignore_eos else self.end_ids, req.stop_token_ids)
         # the law the replicas apply: the answer starts at prompt_len (what presence and
         # frequency penalties count) and cannot end before min_tokens (its end tokens banned)
         banned = tuple(sorted(ends.tokens)) if req.min_tokens else ()

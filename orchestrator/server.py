@@ -27,7 +27,7 @@ from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, server_credentials, status_of, watch_stop
 from specdec.logprobs import TokenLogprob
-from specdec.models import BUNDLED_TARGET, load_tokenizer
+from specdec.models import BUNDLED_TARGET, end_token_ids, load_tokenizer
 from specdec.registry import Registry
 from specdec.session_store import LEASE_SECONDS, SessionStore
 from specdec.v1 import orchestrator_pb2 as pb
@@ -425,6 +425,7 @@ async def serve(args: argparse.Namespace) -> None:
     access_log.configure(args.access_log == "on")
     with refusing_to_start("orchestrator"):
         tokenizer = load_tokenizer(args.tokenizer)
+        end_ids = end_token_ids(args.tokenizer, tokenizer)
         context = max_context(args)
         token = read_secret(args.api_token_file)
         creds = server_credentials(args.tls_cert_file, args.tls_key_file, None)
@@ -445,7 +446,8 @@ async def serve(args: argparse.Namespace) -> None:
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
                           call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
                           prefill_chunk=args.prefill_chunk, retry_window=args.retry_window,
-                          lookup=args.prompt_lookup)
+                          lookup=args.prompt_lookup, end_ids=end_ids)
+    log.info("answers end at token ids %s (the tokenizer's EOS and the generation config's)", sorted(end_ids))
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
     add_servicer(servicer, shell.server)

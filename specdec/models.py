@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_DIR = Path(os.environ.get("SPECDEC_BUNDLED_MODELS", REPO_ROOT / "models"))
@@ -80,6 +80,24 @@ def load_tokenizer(path: str | os.PathLike):
         return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
     except OSError as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+
+
+def end_token_ids(path: str | os.PathLike, tokenizer) -> frozenset[int]:
+    """The tokens that end a model's answer: the tokenizer's EOS and those of the model's
+    generation config (generation_config.json: an id or a list), as transformers'
+    `generate()` ends on any of them. Chat models list their end of turn there beside the
+    end of text (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Qwen2.5
+    Instruct: <|im_end|>, <|endoftext|>), so an answer to `messages` ends with its turn. A
+    model without a generation config has its tokenizer's EOS alone."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    path = str(path)
+    try:
+        config = GenerationConfig.from_pretrained(path, local_files_only=_local_only(path))
+    except OSError:  # none: the tokenizer's EOS is all there is
+        return frozenset(ids)
+    eos = config.eos_token_id
+    ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return frozenset(int(i) for i in ids)
 
 
 def vocab_size_of(path: str | os.PathLike) -> int:

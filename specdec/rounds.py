@@ -20,19 +20,21 @@ class Cursor:
 
 @dataclass(frozen=True)
 class Ends:
-    """The tokens that end an answer: the model's EOS (None where the request ignores it)
-    and the request's stop token ids. Each is kept in the answer, as EOS always was."""
-    eos_id: int | None = None
+    """The tokens that end an answer: the model's end-of-sequence tokens (none where the
+    request ignores them; a chat model often has several, its end of turn among them:
+    specdec.models.end_token_ids) and the request's stop token ids. Each is kept in the
+    answer, as EOS always was."""
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
     @property
     def tokens(self) -> frozenset[int]:
         """Every token that ends the answer (what min_tokens holds off)."""
-        return self.stop_ids | ({self.eos_id} if self.eos_id is not None else frozenset())
+        return self.stop_ids | self.eos_ids
 
     def reason(self, token: int) -> str | None:
         """→ "eos" or "stop" where `token` ends the answer, else None."""
-        if token == self.eos_id:
+        if token in self.eos_ids:
             return "eos"
         return "stop" if token in self.stop_ids else None
 

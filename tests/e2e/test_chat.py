@@ -1,6 +1,7 @@
 """GenerateRequest.messages through a real stack: an orchestrator whose --tokenizer has a
 chat template renders a conversation into the prompt it would get as token ids; one
-without a template refuses it and goes on serving."""
+without a template refuses it and goes on serving. And a chat model's end tokens: the
+orchestrator ends answers at every end-of-sequence id of the model's generation config."""
 from __future__ import annotations
 
 import json
@@ -21,9 +22,33 @@ pytestmark = pytest.mark.e2e
 TURNS = [("system", "Answer in Python."), ("user", "def fibonacci(n):")]
 
 
+END_PROMPT = "def main(argv):\n"
+
+
 @pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    return chat_tokenizer_dir(tmp_path_factory.mktemp("chat"))
+def plain_answer(local_stack) -> list[int]:
+    """The bundled target's greedy answer to END_PROMPT, from the stack's own orchestrator."""
+    reply = api(local_stack.orchestrator_address).Generate(request(END_PROMPT, 24, ignore_eos=True), timeout=120)
+    return list(reply.token_ids)
+
+
+@pytest.fixture(scope="module")
+def end_at(plain_answer) -> int:
+    """A position of that answer whose token comes there first (from the fourth on), with no
+    EOS up to it."""
+    return next(i for i in range(3, len(plain_answer))
+                if plain_answer[i] not in plain_answer[:i] and 0 not in plain_answer[:i + 1])
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, plain_answer, end_at):
+    """The chat copy of the tokenizer, its generation config ending answers at EOS (0) and
+    at the token of `end_at` too, as a chat model's lists its end of turn."""
+    into = chat_tokenizer_dir(tmp_path_factory.mktemp("chat"))
+    config = json.loads((into / "generation_config.json").read_text())
+    config["eos_token_id"] = [0, plain_answer[end_at]]
+    (into / "generation_config.json").write_text(json.dumps(config))
+    return into
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +105,11 @@ def test_an_orchestrator_whose_tokenizer_has_no_template_refuses_messages(local_
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no chat template" in refused.value.details()
     assert stub.Generate(request("def f(", 4), timeout=60).token_ids
+
+
+def test_an_answer_ends_at_every_end_token_of_the_generation_config(chat_orchestrator, plain_answer, end_at):
+    stub = api(chat_orchestrator)
+    ended = stub.Generate(request(END_PROMPT, 24), timeout=120)
+    assert list(ended.token_ids) == plain_answer[:end_at + 1]  # the end token kept, as EOS is
+    assert ended.finish_reason == pb.FINISH_REASON_EOS
+    assert list(stub.Generate(request(END_PROMPT, 24, ignore_eos=True), timeout=120).token_ids) == plain_answer

@@ -44,7 +44,7 @@ def test_records_survive_their_stored_form():
 
 
 def test_an_answer_is_done_by_eos_length_or_context_only():
-    eos = Ends(eos_id=2)
+    eos = Ends(eos_ids=frozenset({2}))
     assert rq.finished([4, 5, 2], 10, eos, 50, 100) == "eos"
     assert rq.finished([4, 5, 6], 3, eos, 50, 100) == "length"
     assert rq.finished([4, 5, 6], 10, eos, 100, 100) == "context"
@@ -52,7 +52,7 @@ def test_an_answer_is_done_by_eos_length_or_context_only():
     assert rq.finished([], 10, eos, 50, 100) is None
     assert rq.finished([4], 10, Ends(), 50, 100) is None
     # a stop token ends it too; an ignored EOS does not
-    assert rq.finished([4, 7], 10, Ends(eos_id=2, stop_ids=frozenset({7})), 50, 100) == "stop"
+    assert rq.finished([4, 7], 10, Ends(eos_ids=frozenset({2}), stop_ids=frozenset({7})), 50, 100) == "stop"
     assert rq.finished([4, 2], 10, Ends(stop_ids=frozenset({7})), 50, 100) is None
 
 

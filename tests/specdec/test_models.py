@@ -5,7 +5,8 @@ import shutil
 import pytest
 import torch
 
-from specdec.models import ModelLoadError, check_pair, load_model, load_tokenizer, pick_device, pick_dtype
+from specdec.models import (ModelLoadError, check_pair, end_token_ids, load_model, load_tokenizer, pick_device,
+                            pick_dtype)
 
 
 def test_bundled_pair_is_accepted(bundled_paths):
@@ -51,3 +52,22 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
         load_tokenizer("~/nothing-here-either")
     with pytest.raises(ModelLoadError, match="cannot load a model from"):
         load_model(tmp_path, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("eos, want", [(0, {0}), ([0, 7, 9], {0, 7, 9}), ([7], {0, 7}), (None, {0})])
+def test_an_answer_ends_at_the_tokenizers_eos_and_the_generation_configs(tmp_path, tokenizer, eos, want):
+    from tests.chat_tokenizer import chat_tokenizer_dir
+
+    into = chat_tokenizer_dir(tmp_path / "model")
+    config = json.loads((into / "generation_config.json").read_text())
+    config["eos_token_id"] = eos
+    (into / "generation_config.json").write_text(json.dumps(config))
+    assert end_token_ids(into, tokenizer) == want
+
+
+def test_a_model_without_a_generation_config_ends_at_its_tokenizers_eos(tmp_path, tokenizer):
+    from tests.chat_tokenizer import chat_tokenizer_dir
+
+    into = chat_tokenizer_dir(tmp_path / "model")
+    (into / "generation_config.json").unlink()
+    assert end_token_ids(into, tokenizer) == {tokenizer.eos_token_id}
