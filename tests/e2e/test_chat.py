@@ -72,9 +72,10 @@ def chat_request(turns=TURNS, **fields) -> pb.GenerateRequest:
 
 
 def test_a_conversation_is_answered_as_its_rendered_prompt(chat_orchestrator, chat_dir):
-    ids = load_tokenizer(chat_dir).apply_chat_template([{"role": r, "content": c} for r, c in TURNS],
-                                                       tokenize=False, add_generation_prompt=True)
-    ids = load_tokenizer(chat_dir)(ids, add_special_tokens=False)["input_ids"]
+    tokenizer = load_tokenizer(chat_dir)
+    text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in TURNS], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     stub = api(chat_orchestrator)
     as_ids = stub.Generate(request(prompt="", prompt_token_ids=ids, max_new_tokens=24, ignore_eos=True), timeout=120)
     chat = stub.Generate(chat_request(), timeout=120)
@@ -82,9 +83,9 @@ def test_a_conversation_is_answered_as_its_rendered_prompt(chat_orchestrator, ch
     assert list(chat.token_ids) == list(as_ids.token_ids) and len(chat.token_ids) == 24  # greedy: the same answer
     streamed = [t for part in stub.GenerateStream(chat_request(), timeout=120) for t in part.token_ids]
     assert streamed == list(chat.token_ids)
+    turns = [arg for role, content in TURNS for arg in ("--message", f"{role}:{content}")]
     cli = subprocess.run([sys.executable, "-m", "orchestrator.client", "--address", chat_orchestrator, "--json",
-                          "--max-new-tokens", "24", "--ignore-eos", *[a for r, c in TURNS for a in ("--message", f"{r}:{c}")]],
-                         capture_output=True, text=True, timeout=120)
+                          "--max-new-tokens", "24", "--ignore-eos", *turns], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["token_ids"] == list(chat.token_ids)
 
