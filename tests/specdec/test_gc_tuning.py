@@ -27,11 +27,12 @@ def test_freeze_exempts_what_is_alive_and_times_later_collections(unfreeze_after
 
     kept = Node()
     frozen = gc_tuning.freeze_startup_heap()
-    # at least what was frozen then: another thread of the test process (a server of an
-    # earlier test winding down) may freeze a few more objects right after (CI, 2026-12-04:
-    # 560162 against the 560160 returned)
-    assert 0 < frozen <= gc.get_freeze_count()
-    assert frozen <= REGISTRY.get_sample_value("specdec_gc_frozen_objects") <= gc.get_freeze_count()
+    # about what was frozen then, not to the object: another thread of the test process (a
+    # server of an earlier test winding down) may freeze a few more objects right after (CI,
+    # 2026-12-04: 560162 against the 560160 returned), and a frozen object whose last
+    # reference goes is freed and leaves the count (CI, 2026-12-06: 587409 after 587411)
+    assert frozen > 0 and abs(gc.get_freeze_count() - frozen) <= frozen // 100
+    assert abs(REGISTRY.get_sample_value("specdec_gc_frozen_objects") - frozen) <= frozen // 100
     # what was alive at the freeze is not collected, nor walked: it left the generations
     assert all(o is not kept for o in gc.get_objects(generation=2))
     before = _pauses(2)
