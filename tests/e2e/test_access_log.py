@@ -2,13 +2,14 @@
 stack's orchestrator (started with the defaults: `--access-log on`, text lines)."""
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 
 import grpc
 import pytest
 
-from tests.e2e.helpers import api, request, stream
+from tests.e2e.helpers import api, load_report, request, stream
 
 
 def access_lines(stack, marker: str, want: int, timeout: float = 10.0) -> list[str]:
@@ -58,11 +59,30 @@ def test_each_finished_call_is_one_line_with_what_it_did(local_stack):
     assert "max_new_tokens" in bad["error"] and "tokens" not in bad
 
 
-def test_calls_cut_short_are_logged_as_what_ended_them(local_stack):
+def held(stack) -> dict[str, int]:
+    return {r.address: load_report(r.address, r.kind).sessions for r in stack.replicas if r.proc.poll() is None}
+
+
+@pytest.fixture
+def short_retries(local_stack):
+    """A second orchestrator on the shared stack whose cut answers keep their caches for a
+    retry 1 s (--retry-window 1) rather than the default 120: the calls cut here then hold
+    nothing on the shared replicas by the time later tests count what those hold (with the
+    default, a later test saw them released midway and failed: CI, 2026-12-06)."""
+    rep = local_stack.start_orchestrator(extra=["--retry-window", "1"])
+    try:
+        yield rep.address
+    finally:
+        local_stack.kill(rep, sig=signal.SIGTERM)
+        local_stack.orchestrators.remove(rep)
+
+
+def test_calls_cut_short_are_logged_as_what_ended_them(local_stack, short_retries):
     """A call whose deadline passed reads DEADLINE_EXCEEDED, a stream its client cancelled
     CANCELLED: gRPC cancels the handler in both cases, and the server must not ask the
     ended call who its peer was (it can take the process down): the line has it."""
-    stub, tag = api(local_stack.orchestrator_address), uuid.uuid4().hex[:12]
+    stub, tag = api(short_retries), uuid.uuid4().hex[:12]
+    before = held(local_stack)
     for method in ("Generate", "GenerateStream"):
         req = request("import json\n\ndef load(path):\n", 1024, request_id=f"{method}-{tag}")
         with pytest.raises(grpc.RpcError) as err:
@@ -83,3 +103,8 @@ def test_calls_cut_short_are_logged_as_what_ended_them(local_stack):
     assert by_id["gone"]["code"] == "CANCELLED" and by_id["gone"]["error"] == "the client went away"
     assert all(line["peer"].startswith(("ipv4:", "ipv6:")) for line in by_id.values())
     assert stub.Generate(request(max_new_tokens=4), timeout=60).token_ids, "the orchestrator still serves"
+    deadline = time.monotonic() + 30  # the window, then a reaper's turn (--reap-interval, 2 s)
+    while any(n > before.get(address, 0) for address, n in held(local_stack).items()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(n <= before.get(address, 0) for address, n in held(local_stack).items()), \
+        f"the cut calls' caches outlived their retry window: {held(local_stack)} against {before}"

@@ -175,7 +175,10 @@ def test_random_requests_never_crash_the_server_or_leak_a_session(fuzzed):
         stub.EndSession(pb.EndSessionRequest(session_id=sid), timeout=30)
     assert session_keys(stack) <= fuzzed["keys_before"]
     held = {r.address: load_report(r.address, r.kind).sessions for r in stack.replicas}
-    assert held == fuzzed["held_before"], "replicas still hold sessions of finished calls"
+    # no more than before: an earlier test's cut answer, parked for its retry window, may be
+    # released meanwhile (CI, 2026-12-06: 0 held against 2 before, on both replicas)
+    assert all(n <= fuzzed["held_before"][address] for address, n in held.items()), \
+        f"replicas still hold sessions of finished calls: {held} against {fuzzed['held_before']}"
     assert fuzzed["orch"].proc.poll() is None
     assert len(stub.Generate(request("def ok():\n", 4, 0.0), timeout=60).token_ids) == 4
 
