@@ -78,6 +78,14 @@ def _gone(deadline: float | None) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.CANCELLED, "the client went away"
 
 
+def count_call(method: str, code: grpc.StatusCode, started: float, request, out: Outcome | None,
+               peer: str | None, error: str = "") -> None:
+    """A call that ended with `code`: the requests counter and its access line, one beside
+    the other wherever a call is answered."""
+    metrics.REQUESTS.labels(method, code.name).inc()
+    access_log.record(method, code, started, request, out, peer, error)
+
+
 def observe_latency(method: str, out: Outcome) -> None:
     """A successful request's latencies, as a platform team sets its objectives on them:
     the whole call, the first chunk of a stream, and the time per token after the first
@@ -128,9 +136,10 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return not self.active
 
     async def _request(self, request):
-        """The checked request. A long prompt (or conversation) is tokenized in a worker thread (the tokenizer
-        releases the GIL): on the event loop, 200,000 characters would hold every other
-        generation's rounds for about 0.1 s here (40 ms for 83,000, ad hoc, 2026-12-05)."""
+        """The checked request. A long prompt (or conversation) is tokenized in a worker
+        thread (the tokenizer releases the GIL): on the event loop, 200,000 characters would
+        hold every other generation's rounds for about 0.1 s here (40 ms for 83,000, ad hoc,
+        2026-12-05)."""
         if isinstance(request, _BadMessage):
             raise InvalidRequest(f"the request is not a valid GenerateRequest (check that strings are UTF-8): "
                                  f"{request.error}")
@@ -172,16 +181,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             finally:
                 self.active -= 1
         except SpecDecError as exc:
-            metrics.REQUESTS.labels("Generate", status_of(exc).name).inc()
-            access_log.record("Generate", status_of(exc), started, request, None, peer, str(exc))
+            count_call("Generate", status_of(exc), started, request, None, peer, str(exc))
             await abort(context, exc)
         except asyncio.CancelledError:
             code, why = _gone(deadline)
             access_log.record("Generate", code, started, request, None, peer, why)
             raise
-        metrics.REQUESTS.labels("Generate", "OK").inc()
+        count_call("Generate", grpc.StatusCode.OK, started, request, out, peer)
         observe_latency("Generate", out)
-        access_log.record("Generate", grpc.StatusCode.OK, started, request, out, peer)
         return pb.GenerateResponse(text="".join(text), token_ids=out.tokens, session_id=out.session_id,
                                    finish_reason=FINISH[out.finish_reason], stats=stats_pb(out),
                                    logprobs=logprobs_pb(out.tokens, scores), prompt_logprobs=prompt_logprobs_pb(out))
@@ -197,8 +204,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             req = await self._request(request)
             self._admit()
         except SpecDecError as exc:
-            metrics.REQUESTS.labels("GenerateStream", status_of(exc).name).inc()
-            access_log.record("GenerateStream", status_of(exc), started, request, None, peer, str(exc))
+            count_call("GenerateStream", status_of(exc), started, request, None, peer, str(exc))
             await abort(context, exc)
         self.active += 1
         task = asyncio.create_task(self.gen.run(req, emit, deadline))
@@ -211,8 +217,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 yield item
             out = task.result()
         except SpecDecError as exc:
-            metrics.REQUESTS.labels("GenerateStream", status_of(exc).name).inc()
-            access_log.record("GenerateStream", status_of(exc), started, request, None, peer, str(exc))
+            count_call("GenerateStream", status_of(exc), started, request, None, peer, str(exc))
             await abort(context, exc)
         finally:
             self.active -= 1
@@ -224,9 +229,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                     await task
                 except (asyncio.CancelledError, SpecDecError):
                     pass
-        metrics.REQUESTS.labels("GenerateStream", "OK").inc()
+        count_call("GenerateStream", grpc.StatusCode.OK, started, request, out, peer)
         observe_latency("GenerateStream", out)
-        access_log.record("GenerateStream", grpc.StatusCode.OK, started, request, out, peer)
         yield pb.GenerateStreamResponse(session_id=out.session_id, finish_reason=FINISH[out.finish_reason],
                                         stats=stats_pb(out), prompt_logprobs=prompt_logprobs_pb(out))
 

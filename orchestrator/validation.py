@@ -5,6 +5,8 @@ import math
 import random
 import re
 
+from jinja2 import TemplateError
+
 from orchestrator import request_ids
 from orchestrator.gamma_policy import MAX_GAMMA
 from orchestrator.generation import GenerationRequest
@@ -122,8 +124,6 @@ def chat_prompt_ids(tokenizer, messages) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise PreconditionFailed("this model's tokenizer (the orchestrator's --tokenizer) has no chat template: "
                                  "send prompt or prompt_token_ids instead of messages")
-    from jinja2 import TemplateError
-
     turns = [{"role": m.role, "content": m.content} for m in messages]
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
