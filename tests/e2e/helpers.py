@@ -40,6 +40,11 @@ def load_report(address: str, kind: str) -> replica_pb2.LoadReport:
         channel.close()
 
 
+def held_sessions(stack) -> dict[str, int]:
+    """Sessions each live replica of the stack holds, by address."""
+    return {r.address: load_report(r.address, r.kind).sessions for r in stack.replicas if r.proc.poll() is None}
+
+
 def redis_client(stack) -> redis.Redis:
     return redis.Redis(port=stack.redis_port, password=stack.redis_password)
 

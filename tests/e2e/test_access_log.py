@@ -9,7 +9,7 @@ import uuid
 import grpc
 import pytest
 
-from tests.e2e.helpers import api, load_report, request, stream
+from tests.e2e.helpers import api, held_sessions, request, stream
 
 
 def access_lines(stack, marker: str, want: int, timeout: float = 10.0) -> list[str]:
@@ -59,9 +59,6 @@ def test_each_finished_call_is_one_line_with_what_it_did(local_stack):
     assert "max_new_tokens" in bad["error"] and "tokens" not in bad
 
 
-def held(stack) -> dict[str, int]:
-    return {r.address: load_report(r.address, r.kind).sessions for r in stack.replicas if r.proc.poll() is None}
-
 
 @pytest.fixture
 def short_retries(local_stack):
@@ -82,7 +79,7 @@ def test_calls_cut_short_are_logged_as_what_ended_them(local_stack, short_retrie
     CANCELLED: gRPC cancels the handler in both cases, and the server must not ask the
     ended call who its peer was (it can take the process down): the line has it."""
     stub, tag = api(short_retries), uuid.uuid4().hex[:12]
-    before = held(local_stack)
+    before = held_sessions(local_stack)
     for method in ("Generate", "GenerateStream"):
         req = request("import json\n\ndef load(path):\n", 1024, request_id=f"{method}-{tag}")
         with pytest.raises(grpc.RpcError) as err:
@@ -104,7 +101,8 @@ def test_calls_cut_short_are_logged_as_what_ended_them(local_stack, short_retrie
     assert all(line["peer"].startswith(("ipv4:", "ipv6:")) for line in by_id.values())
     assert stub.Generate(request(max_new_tokens=4), timeout=60).token_ids, "the orchestrator still serves"
     deadline = time.monotonic() + 30  # the window, then a reaper's turn (--reap-interval, 2 s)
-    while any(n > before.get(address, 0) for address, n in held(local_stack).items()) and time.monotonic() < deadline:
+    while (any(n > before.get(address, 0) for address, n in held_sessions(local_stack).items())
+           and time.monotonic() < deadline):
         time.sleep(0.2)
-    assert all(n <= before.get(address, 0) for address, n in held(local_stack).items()), \
-        f"the cut calls' caches outlived their retry window: {held(local_stack)} against {before}"
+    assert all(n <= before.get(address, 0) for address, n in held_sessions(local_stack).items()), \
+        f"the cut calls' caches outlived their retry window: {held_sessions(local_stack)} against {before}"

@@ -13,7 +13,7 @@ import pytest
 
 from localstack.stack import LocalStack
 from specdec.v1 import orchestrator_pb2 as pb
-from tests.e2e.helpers import Streams, api, live_replicas, load_report, request, session_keys
+from tests.e2e.helpers import Streams, api, held_sessions, live_replicas, load_report, request, session_keys
 from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
@@ -32,25 +32,20 @@ def test_the_stack_runs_on_asyncios_loop(stack):
     assert len(logs) == 3 and all("event loop asyncio" in log for log in logs)
 
 
-def held(stack) -> dict[str, int]:
-    """Sessions each live replica holds, by address."""
-    return {r.address: load_report(r.address, r.kind).sessions for r in stack.replicas if r.proc.poll() is None}
-
-
 def wait_released(stack, before: dict[str, int], keys_before: set[str], within: float = 3.0) -> None:
     deadline = time.monotonic() + within
-    while (held(stack), session_keys(stack)) != (before, keys_before):
-        assert time.monotonic() < deadline, f"not released: {held(stack)} (before {before}), " \
+    while (held_sessions(stack), session_keys(stack)) != (before, keys_before):
+        assert time.monotonic() < deadline, f"not released: {held_sessions(stack)} (before {before}), " \
                                             f"handles {session_keys(stack) - keys_before}"
         time.sleep(0.1)
 
 
 def test_a_cancelled_stream_releases_both_caches(stack):
     stub = api(stack.orchestrator_address)
-    before, keys = held(stack), session_keys(stack)
+    before, keys = held_sessions(stack), session_keys(stack)
     call = stub.GenerateStream(request("def render(template, **kw):\n", LONG, 0.0, gamma=3), timeout=120)
     next(call)
-    assert all(n == before[a] + 1 for a, n in held(stack).items()), "the stream holds no cache"
+    assert all(n == before[a] + 1 for a, n in held_sessions(stack).items()), "the stream holds no cache"
     call.cancel()
     wait_released(stack, before, keys)
     target = live_replicas(stack, "target")[0].address
@@ -75,7 +70,7 @@ def wait_quiet(address: str, window: float = 0.5, within: float = 5.0) -> int:
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
 def test_an_expired_deadline_is_deadline_exceeded_and_releases_both_caches(stack, method):
     stub = api(stack.orchestrator_address)
-    before, keys = held(stack), session_keys(stack)
+    before, keys = held_sessions(stack), session_keys(stack)
     req = request("import json\n\ndef load(path):\n", LONG, 0.0, gamma=3)
     # the deadline lands at different points of a round, always well before LONG tokens are
     # done (512 tokens took under 1.3 s once the draft's and the forward's kernels sped up)
