@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from specdec import metrics
 from specdec.errors import SessionNotFound, SpecDecError
 from specdec.session_store import SessionHandle
+from specdec.task_end import end_task
 
 log = logging.getLogger(__name__)
 ALIVE_PREFIX = "specdec:orchestrator:"
@@ -49,12 +50,14 @@ MAX_PER_PASS = 64  # sessions released per check at most, so that one pass stays
 class Reaper:
     """One orchestrator's heartbeat, and its share of releasing the dead ones' sessions."""
 
-    def __init__(self, generator, redis, orchestrator_id: str, interval: float = INTERVAL_S) -> None:
+    def __init__(self, generator, redis, orchestrator_id: str, interval: float = INTERVAL_S,
+                 beat_s: float = BEAT_S) -> None:
         self.generator = generator  # releases a session as a call's end does (Generator.release)
         self.store = generator.store
         self.redis = redis
         self.id = orchestrator_id
         self.interval = interval  # 0: no reaping (the heartbeat still beats)
+        self.beat_s = beat_s
         self._task: asyncio.Task | None = None
 
     @staticmethod
@@ -78,9 +81,7 @@ class Reaper:
     async def stop(self) -> None:
         """Stop beating and say so at once: this orchestrator's sessions left over (a drain
         cut short) are released by the others without waiting for the heartbeat to lapse."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await end_task(self._task)  # cancelled until ended: one cancel can be dropped (specdec/task_end.py)
         try:
             await self.redis.delete(ALIVE_PREFIX + self.id)
         except RedisError:
@@ -90,7 +91,7 @@ class Reaper:
         checked = 0.0
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(BEAT_S)
+            await asyncio.sleep(self.beat_s)
             try:
                 await self._beat()
                 if self.interval and loop.time() - checked >= self.interval:

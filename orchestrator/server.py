@@ -25,7 +25,7 @@ from specdec import event_loop, metrics
 from specdec.config import add_common_args, env, parse_args, read_secret, redis_client, refusing_to_start, setup_logging
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
 from specdec.gc_tuning import freeze_startup_heap
-from specdec.grpc_server import ServerShell, abort, server_credentials, status_of, watch_stop
+from specdec.grpc_server import ServerShell, abort, end_leftover_tasks, server_credentials, status_of, watch_stop
 from specdec.logprobs import TokenLogprob
 from specdec.models import BUNDLED_TARGET, end_token_ids, load_tokenizer
 from specdec.registry import Registry
@@ -483,7 +483,9 @@ async def serve(args: argparse.Namespace) -> None:
     await reaper.stop()
     await pools.close()
     await redis.aclose()
+    await end_leftover_tasks()
     end_watch()
+    log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed,
                             RequestSuperseded, SessionBusy, SessionNotFound, SpecDecError, Unavailable)
+from specdec.task_end import end_other_tasks
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -26,6 +27,7 @@ KEEPALIVE_MS = int(os.environ.get("SPECDEC_KEEPALIVE_MS", "30000"))
 # a stop still running this many seconds past its drain's grace writes the stacks of what it
 # still waits on (`watch_stop`)
 STOP_SLACK_S = 5.0
+LEFTOVER_S = 2.0  # how long a stop's last step cancels the tasks still running (end_leftover_tasks)
 
 STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -145,6 +147,21 @@ def watch_stop(grace: float, slack: float = STOP_SLACK_S) -> Callable[[], None]:
         timer.cancel()
 
     return end
+
+
+async def end_leftover_tasks(timeout: float = LEFTOVER_S) -> None:
+    """A stop's last step: end every task still running (specdec.task_end.end_other_tasks).
+    One that will not end is a bug; it is logged where it waits and the process exits 1 now,
+    rather than hang in asyncio.run's own unbounded wait for it until Kubernetes kills it."""
+    left = await end_other_tasks(timeout)
+    if not left:
+        return
+    for task in left:
+        where = "\n".join(awaiting(task))
+        log.error("task %s did not end %.0fs after being cancelled; it waits at:\n%s", task.get_name(), timeout, where)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _write_threads(after: float) -> None:

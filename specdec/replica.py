@@ -17,7 +17,7 @@ from specdec.errors import SpecDecError
 from specdec.frame_server import FrameServer, MuxMethod
 from specdec.frames import server_ssl_context
 from specdec.gc_tuning import freeze_startup_heap
-from specdec.grpc_server import ServerShell, abort, server_credentials, watch_stop
+from specdec.grpc_server import ServerShell, abort, end_leftover_tasks, server_credentials, watch_stop
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
 from specdec.models import dtype_name, load_model, pick_device, pick_dtype
@@ -177,5 +177,6 @@ class ReplicaHost:
             await self.shell.drain_and_stop(self.args.drain_seconds)
         await self.batcher.stop()
         await self.redis.aclose()
+        await end_leftover_tasks()
         end_watch()
         log.info("stopped")

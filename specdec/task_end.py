@@ -20,3 +20,20 @@ async def end_task(task: asyncio.Task | None, retry_s: float = RETRY_S) -> None:
     while task is not None and not task.done():
         task.cancel()
         await asyncio.wait([task], timeout=retry_s)
+
+
+async def end_other_tasks(timeout: float, retry_s: float = RETRY_S) -> list[asyncio.Task]:
+    """Cancel every other task of the running loop until each has ended or `timeout` has
+    passed → those still running. A server's stop calls it last: asyncio.run then cancels
+    what is left once and waits for it without limit, so one task that dropped that
+    cancellation (above) and looped on would keep the process from ever exiting."""
+    loop = asyncio.get_running_loop()
+    me, deadline = asyncio.current_task(), loop.time() + timeout
+    while True:
+        left = [task for task in asyncio.all_tasks() if task is not me and not task.done()]
+        remaining = deadline - loop.time()
+        if not left or remaining <= 0:
+            return left
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=min(retry_s, remaining))

@@ -1,6 +1,7 @@
 """Small clients for the e2e tests: the public API, the replicas' Load reports, Redis."""
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
@@ -14,6 +15,17 @@ from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 
 def api(address: str) -> pb_grpc.OrchestratorStub:
     return pb_grpc.OrchestratorStub(grpc.insecure_channel(address))
+
+
+def exit_status(stack, server, timeout: float = 15.0) -> int:
+    """A stopping server's exit status. One still running after `timeout` fails the test
+    with the end of its log, where its stop watch writes where it hangs: CI keeps no logs."""
+    try:
+        return server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        tail = "\n".join(stack.log_tail(server, 80))
+        raise AssertionError(f"the {server.kind} on port {server.port} is still running {timeout:.0f}s on; "
+                             f"its log ends:\n{tail}") from None
 
 
 def request(prompt="def main(", max_new_tokens=32, temperature=0.0, gamma=None, **kw) -> pb.GenerateRequest:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from specdec.v1 import orchestrator_pb2 as pb
-from tests.e2e.helpers import Streams, api, load_report, redis_client, request, session_handles, session_keys
+from tests.e2e.helpers import Streams, api, exit_status, load_report, redis_client, request, session_handles, session_keys
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["def main(", "class Parser:\n    def __init__(self"]
@@ -43,7 +43,7 @@ def test_a_draining_orchestrator_finishes_its_streams_and_refuses_new_calls(loca
             tokens, last = result
             assert tokens == want and last.finish_reason == pb.FINISH_REASON_LENGTH
             assert last.session_id not in session_keys(local_stack)  # released, not left to expire
-        assert leaving.proc.wait(15) == 0
+        assert exit_status(local_stack, leaving) == 0
     finally:
         local_stack.orchestrators.remove(leaving)
         if leaving.proc.poll() is None:
@@ -66,7 +66,7 @@ def test_streams_cut_by_the_drains_end_still_release_their_sessions(local_stack)
         leaving.proc.send_signal(signal.SIGTERM)
         results = streams.join()
         assert all(isinstance(r, grpc.RpcError) for r in results), "a 1,024-token stream outlived a 0.5 s drain"
-        assert leaving.proc.wait(15) == 0
+        assert exit_status(local_stack, leaving) == 0
     finally:
         local_stack.orchestrators.remove(leaving)
     client = redis_client(local_stack)

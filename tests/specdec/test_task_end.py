@@ -1,4 +1,4 @@
-"""end_task: a background task is ended for sure, even where Python 3.11's asyncio.wait_for
+"""end_task, end_other_tasks: a background task is ended for sure, even where Python 3.11's asyncio.wait_for
 drops the cancellation, and the caller's own cancellation still reaches the caller."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specdec.task_end import end_task
+from specdec.task_end import end_other_tasks, end_task
 
 
 async def waits_with_wait_for(event: asyncio.Event, woken: list[int]) -> None:
@@ -71,3 +71,36 @@ def test_the_callers_own_cancellation_is_not_swallowed():
         return task.done()
 
     assert asyncio.run(go())
+
+
+def test_a_stop_ends_the_other_tasks_and_names_those_that_will_not_end():
+    """Three tasks left at a stop: one that drops a cancellation (the wait_for loop above),
+    one that ends at its first, and one that never ends. The first two are ended; the last
+    is returned once the time is up, the caller not stuck on it (asyncio.run would be)."""
+    release = asyncio.Event()
+
+    async def never_ends():
+        while not release.is_set():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                continue
+
+    async def go():
+        event = asyncio.Event()
+        dropping = asyncio.create_task(waits_with_wait_for(event, []))
+        plain = asyncio.create_task(asyncio.sleep(60))
+        stubborn = asyncio.create_task(never_ends())
+        await asyncio.sleep(0.05)
+        event.set()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        left = await end_other_tasks(0.5)
+        seconds = loop.time() - t0
+        ended = dropping.done(), plain.done()
+        release.set()
+        await end_task(stubborn)
+        return left == [stubborn], ended, seconds, await end_other_tasks(0.5)
+
+    only_stubborn, ended, seconds, none_left = asyncio.run(go())
+    assert only_stubborn and ended == (True, True) and 0.5 <= seconds < 1.5 and none_left == []
