@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--chaos", type=float, metavar="SECONDS",
                     help="stop a replica every SECONDS (the pools in turn) and start another in its place; "
                     "the stack then has two replicas a pool")
-    so.add_argument("--chaos-signal", choices=("kill", "term"), default="kill",
-                    help="how a replica is stopped: kill = SIGKILL (a crash), term = SIGTERM (a graceful drain)")
+    so.add_argument("--chaos-signal", choices=("kill", "term", "both"), default="kill",
+                    help="how a replica is stopped: kill = SIGKILL (a crash), term = SIGTERM (a graceful drain), "
+                    "both = the two by turns")
     so.add_argument("--chaos-orchestrators", action="store_true",
                     help="with --chaos: run two orchestrators and stop one in turn with the pools, with "
-                    "--chaos-signal (term: a rolling update; kill: a crash, their session lease then 2 s); the "
+                    "--chaos-signal (term: a rolling update; kill: a crash, their session lease then 2 s; both); the "
                     "clients send each call to the next orchestrator running, a call refused by one shutting down "
                     "to another, as a load balancer would, and a call cut by one killed again with its request id")
     for p in (run, demo, lt, so):

@@ -62,7 +62,7 @@ KINDS = ("greedy", "seeded", "stop", "long", "fixed_gamma", "conversation", "can
 SEEDS = 3  # seeded requests reuse this many seeds per prompt, so that each repeats
 WARMUP_SECONDS = 60.0
 SETTLE_SECONDS = 15.0  # how long the leftover check waits for releases still on their way
-CHAOS_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+CHAOS_SIGNALS = {"kill": (signal.SIGKILL,), "term": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
 REDIRECTS = 3  # times a call refused by an orchestrator shutting down is sent to another
 ENDPOINTS_LAG_S = 0.5  # how long calls still go to an orchestrator after its SIGTERM
 # with orchestrators killed: their lease on the sessions they ran (--session-lease), and how
@@ -71,11 +71,26 @@ KILLED_LEASE_S = 2.0
 RESUME_WINDOW_S = 30.0
 
 
+def chaos_plan(sigs: tuple[int, ...], orchestrators: bool) -> list[tuple[str, int]]:
+    """The order of the churn's stops, repeated: the pools (and the orchestrators) in turn,
+    and with two signals each kind meets both. An orchestrator stop comes every other time
+    then, killed and drained by turns, as it is where the two differ most for the clients
+    (a call sent again with its request id, or refused and sent elsewhere): a short run of
+    four stops sees both of them and both signals on the pools."""
+    kill, term = signal.SIGKILL, signal.SIGTERM
+    if len(sigs) == 1:
+        return [(kind, sigs[0]) for kind in ("target", "draft") + (("orchestrator",) if orchestrators else ())]
+    if orchestrators:
+        return [("target", kill), ("orchestrator", term), ("draft", term), ("orchestrator", kill),
+                ("target", term), ("orchestrator", term), ("draft", kill), ("orchestrator", kill)]
+    return [("target", kill), ("draft", term), ("target", term), ("draft", kill)]
+
+
 def stack_env(chaos_signal: str, chaos_orchestrators: bool) -> dict[str, str]:
     """The servers' environment for the soak: where orchestrators are killed, a short
     lease, so that the sessions a dead one held are free for their retries within
     KILLED_LEASE_S rather than the default 30 s."""
-    if chaos_orchestrators and chaos_signal == "kill":
+    if chaos_orchestrators and signal.SIGKILL in CHAOS_SIGNALS[chaos_signal]:
         return {"SPECDEC_SESSION_LEASE": str(KILLED_LEASE_S)}
     return {}
 
@@ -407,17 +422,18 @@ async def leftovers(stack, before: dict[str, int]) -> dict[str, int]:
         await asyncio.sleep(0.5)
 
 
-async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: list[str],
+async def churn(stack, every: float, sigs: tuple[int, ...], stop: asyncio.Event, restarts: list[str],
                 kernels: dict[str, str], front: Front | None = None) -> None:
     """Every `every` seconds until `stop` is set, stop a replica of the draft and the target
-    pool in turn (and, given the clients' `front`, one of the orchestrators)
+    pool in turn (and, given the clients' `front`, one of the orchestrators) with one of
+    `sigs`, as `chaos_plan` orders them,
     and start a new one in its place, waiting until it serves and, for a replica, has
     registered, and note its kernels in `kernels`. A restart under way when `stop` is set is
     finished, not cut short, so that the stack's lists of servers are whole when the soak
     takes its count."""
     client = redis.Redis(port=stack.redis_port, password=stack.redis_password)
     rng = random.Random(0)
-    kinds = ["target", "draft"] + (["orchestrator"] if front is not None else [])
+    plan = chaos_plan(sigs, front is not None)
     try:
         while True:
             try:
@@ -425,7 +441,7 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
                 return
             except asyncio.TimeoutError:
                 pass
-            kind = kinds[len(restarts) % len(kinds)]
+            kind, sig = plan[len(restarts) % len(plan)]
             if kind == "orchestrator":
                 victim = rng.choice([r for r in stack.orchestrators if r.proc.poll() is None])
                 front.stopping(victim.address)
@@ -439,7 +455,7 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
                 stack.orchestrators.remove(victim)
                 fresh = await asyncio.to_thread(stack.start_orchestrator)  # returns once it serves
                 front.serving.append(fresh.address)
-                restarts.append(f"orchestrator@{victim.port} (exit {victim.proc.returncode}) → "
+                restarts.append(f"orchestrator@{victim.port} ({signal.Signals(sig).name}, exit {victim.proc.returncode}) → "
                                 f"orchestrator@{fresh.port}")
                 continue
             victim = rng.choice([r for r in stack.replicas if r.kind == kind and r.proc.poll() is None])
@@ -448,7 +464,7 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
             fresh = await asyncio.to_thread(stack.start_replica, kind)
             while not client.exists(f"{REPLICA_PREFIX}{kind}:{fresh.address}"):
                 await asyncio.sleep(0.1)
-            restarts.append(f"{kind}@{victim.port} → {kind}@{fresh.port}")
+            restarts.append(f"{kind}@{victim.port} ({signal.Signals(sig).name}) → {kind}@{fresh.port}")
             kernels.update(replica_kernels(stack))
     finally:
         client.close()
@@ -456,9 +472,12 @@ async def churn(stack, every: float, sig: int, stop: asyncio.Event, restarts: li
 
 async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
                max_requests: int | None = None, chaos: float | None = None, chaos_signal: str = "kill",
-               chaos_orchestrators: bool = False) -> dict:
+               chaos_orchestrators: bool = False, min_stops: int = 0) -> dict:
     """Run the soak against `stack` (a started LocalStack, nothing else using it; two
-    orchestrators where `chaos_orchestrators`); print and return the report."""
+    orchestrators where `chaos_orchestrators`); print and return the report. With chaos, the
+    clients go on past `seconds` (for as long again at most) until the churn has stopped
+    `min_stops` servers: a slow machine's restarts take longer, and a short run that a test
+    makes must still see its stops."""
     procs = processes(stack)
     memory = {name: {"start": resident_mib(pid)} for name, pid in procs.items()}
     before = await sessions_held(stack)
@@ -467,9 +486,15 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     t_end = t_start + seconds
     timeout = max(30.0, 2 * seconds)
 
+    def going_on() -> bool:
+        now = time.monotonic()
+        if max_requests is not None and issued >= max_requests:
+            return False
+        return now < t_end or (bool(chaos) and len(restarts) < min_stops and now < t_end + seconds)
+
     async def client(front: Front) -> None:
         nonlocal issued
-        while time.monotonic() < t_end and (max_requests is None or issued < max_requests):
+        while going_on():
             i, issued = issued, issued + 1  # the clients take the kinds in turn between them
             await one_request(front, i, max_new_tokens, tally, timeout)
 
@@ -479,9 +504,9 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
             memory[name]["after_first_minute"] = resident_mib(pid)
 
     front = Front(stack)
+    restarts: list[str] = []
     try:
         sampler = asyncio.create_task(sample_after_warmup()) if seconds >= WARMUP_SECONDS else None
-        restarts: list[str] = []
         kernels = replica_kernels(stack)  # and every replica started in the run
         stop_chaos = asyncio.Event()
         chaos_task = (asyncio.create_task(churn(stack, chaos, CHAOS_SIGNALS[chaos_signal], stop_chaos, restarts,
@@ -551,7 +576,8 @@ def format_report(r: dict) -> str:
              *(f"          {m}" for kind in ("greedy", "seeded") for m in r["differed"][kind][:5]),
              f"logprobs  {r.get('logprobs_compared', 0)} repeats' compared with their first answer's "
              "(a mismatch, or fewer than the tokens, is an error)",
-             *([f"chaos     {len(r['restarts'])} servers stopped with SIG{r['chaos_signal'].upper()}"
+             *([f"chaos     {len(r['restarts'])} servers stopped with "
+                + ("SIGKILL and SIGTERM by turns" if r["chaos_signal"] == "both" else f"SIG{r['chaos_signal'].upper()}")
                 + (" (orchestrators too)" if any(x.startswith("orchestrator") for x in r["restarts"]) else "")
                 + " and replaced: " + ", ".join(r["restarts"])]
                if r["chaos_signal"] else []),

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from localstack.soak import KINDS, format_report, passed, soak, stack_env
+from localstack.soak import CHAOS_SIGNALS, KINDS, chaos_plan, format_report, passed, soak, stack_env
 
 pytestmark = pytest.mark.e2e
 
@@ -21,11 +21,10 @@ def test_a_short_soak_through_every_kind_of_request_leaves_nothing_behind(local_
     assert report["compared"]["greedy"] >= 6
 
 
-@pytest.mark.parametrize("chaos_signal", ["kill", "term"])
-def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths, chaos_signal):
+def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths):
     """Two replicas a pool and two orchestrators; one server stopped every few seconds, the
-    pools and the orchestrators in turn (killed, or drained as a rolling update does), and a
-    new one started in its place: no error, the same tokens for every repeated greedy
+    pools and the orchestrators in turn, killed and drained (as a rolling update does) by
+    turns, and a new one started in its place: no error, the same tokens for every repeated greedy
     request (and seeded one, where every replica is batch-invariant, as the bundled pair is
     here), and nothing left over. The clients send a call refused by an orchestrator
     shutting down to the other, and one cut by an orchestrator killed again with its request
@@ -37,11 +36,11 @@ def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths
     from localstack.stack import LocalStack
     from tests.stacks import started_stack, stopped
 
-    stack = started_stack(lambda: LocalStack(extra_env=stack_env(chaos_signal, True)), drafts=2, targets=2,
+    stack = started_stack(lambda: LocalStack(extra_env=stack_env("both", True)), drafts=2, targets=2,
                           orchestrators=2)
     try:
-        report = asyncio.run(soak(stack, streams=4, seconds=36, max_new_tokens=24, chaos=4.0,
-                                  chaos_signal=chaos_signal, chaos_orchestrators=True))
+        report = asyncio.run(soak(stack, streams=4, seconds=30, max_new_tokens=24, chaos=4.0,
+                                  chaos_signal="both", chaos_orchestrators=True, min_stops=4))
         # the servers' logs go with a failure: the stack's files are gone once it stops
         diagnosis = "" if passed(report) else stack.diagnostics(lines=60)
     finally:
@@ -49,5 +48,21 @@ def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths
     assert passed(report), format_report(report) + "\n" + diagnosis
     stopped_kinds = {r.split("@")[0] for r in report["restarts"]}
     assert stopped_kinds >= {"target", "draft", "orchestrator"}, report["restarts"]
+    # the orchestrators were killed and drained, the pools met at least one of the two each
+    assert {r.split(" ")[1].strip("(,") for r in report["restarts"] if r.startswith("orchestrator")} == \
+        {"SIGKILL", "SIGTERM"}, report["restarts"]
     assert report["compared"]["greedy"] >= 20
     assert report["logprobs_compared"] >= 5  # repeats asking for log-probabilities, every one matching
+
+
+@pytest.mark.parametrize("orchestrators", [False, True])
+def test_the_chaos_plan_stops_each_kind_with_each_signal_and_the_orchestrators_early(orchestrators):
+    kinds = {"target", "draft"} | ({"orchestrator"} if orchestrators else set())
+    for name, sigs in CHAOS_SIGNALS.items():
+        plan = chaos_plan(sigs, orchestrators)
+        assert set(plan) == {(kind, sig) for kind in kinds for sig in sigs}, name
+        assert {kind for kind, _ in plan[:len(kinds)]} == kinds, name  # every kind before any twice
+    if orchestrators:  # four stops: the orchestrators killed and drained, each signal on a pool
+        first = chaos_plan(CHAOS_SIGNALS["both"], True)[:4]
+        assert {sig for kind, sig in first if kind == "orchestrator"} == set(CHAOS_SIGNALS["both"])
+        assert {sig for kind, sig in first if kind != "orchestrator"} == set(CHAOS_SIGNALS["both"])
