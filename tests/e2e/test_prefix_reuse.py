@@ -3,6 +3,8 @@ with tokens another held or recently released session fed starts from a copy of 
 both replicas, and answers as if it had computed them."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from specdec.v1 import orchestrator_pb2 as pb
@@ -50,17 +52,22 @@ def test_a_prompt_sharing_a_long_prefix_feeds_only_the_rest_and_answers_as_alone
 def test_replicas_count_what_they_reuse_and_reuse_nothing_when_told_not_to(stack, tokenizer):
     """Both pools reuse the shared prefix (their Prometheus counters), and with
     --prefix-reuse off every new session feeds its whole prompt."""
-    from localstack.stack import free_port, scrape_metrics
+    from localstack.stack import free_port, scrape_metrics, wait_serving
 
     prompts = [SYSTEM + q for q in ("def median(xs):\n", "class LRU:\n")]
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     stub = api(stack.orchestrator_address)
     for reuse in ("off", "on"):
-        for rep in live_replicas(stack, "draft") + live_replicas(stack, "target"):
-            stack.kill(rep, sig=15)
+        old = live_replicas(stack, "draft") + live_replicas(stack, "target")
+        for rep in old:  # drained and replaced side by side: each start loads a model
+            rep.proc.send_signal(signal.SIGTERM)
+        for rep in old:
+            rep.proc.wait(30)
         ports = {kind: free_port() for kind in ("draft", "target")}
-        for kind, port in ports.items():
-            stack.start_replica(kind, extra=["--prefix-reuse", reuse, "--metrics-port", str(port)])
+        fresh = [stack.start_replica(kind, wait=False, extra=["--prefix-reuse", reuse, "--metrics-port", str(port)])
+                 for kind, port in ports.items()]
+        for rep in fresh:
+            wait_serving(rep.address, timeout=stack.start_timeout, proc=rep.proc)
         stack.wait_registered(1, 1)
         answers = [stub.Generate(request(p, 8, 0.0, gamma=4), timeout=120) for p in prompts]
         fed = load_report(answers[1].stats.target_replica, "target").prefill_tokens
