@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from localstack.stack import free_port, scrape_metrics
+from localstack.stack import free_port, scrape_metrics, wait_serving
 from tests.e2e.helpers import Streams, api, live_replicas, request, session_handles
 from tests.stacks import started_stack, stopped
 
@@ -49,9 +49,15 @@ def stack(bundled_paths):
     its metrics."""
     stack = started_stack(drafts=1, targets=2, orchestrators=0)
     stack.metrics_ports = {}
-    for name, flags in ORCHESTRATORS.items():
-        stack.metrics_ports[name] = free_port()
-        stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_ports[name]), *flags])
+    try:
+        for name, flags in ORCHESTRATORS.items():  # started side by side, then waited for
+            stack.metrics_ports[name] = free_port()
+            stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_ports[name]), *flags], wait=False)
+        for rep in stack.orchestrators:
+            wait_serving(rep.address, timeout=stack.start_timeout, proc=rep.proc)
+    except BaseException:
+        stopped(stack)
+        raise
     yield stack
     stopped(stack)
 
