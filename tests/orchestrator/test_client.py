@@ -150,7 +150,7 @@ def test_retries_ride_out_an_orchestrator_killed_mid_answer_and_show_no_text_twi
     lease = ["--session-lease", "2"]
     doomed = local_stack.start_orchestrator(extra=lease)
     port, rid = doomed.port, uuid.uuid4().hex
-    args = ["def main(", "--address", doomed.address, "--max-new-tokens", "1024", "--gamma", "0",
+    args = ["def main(", "--address", doomed.address, "--max-new-tokens", "512", "--gamma", "0",
             "--request-id", rid, "--retries", "8"]
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.client", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -174,7 +174,7 @@ def test_retries_ride_out_an_orchestrator_killed_mid_answer_and_show_no_text_twi
             local_stack.kill(replacement, signal.SIGTERM)
     assert proc.returncode == 0, err
     assert "sending it again" in err
-    want = api(local_stack.orchestrator_address).Generate(request("def main(", 1024, 0.0, gamma=0), timeout=120)
+    want = api(local_stack.orchestrator_address).Generate(request("def main(", 512, 0.0, gamma=0), timeout=120)
     assert out == want.text
 
 
