@@ -48,20 +48,22 @@ def test_ending_nothing_or_an_ended_task_returns_at_once():
     assert asyncio.run(go())
 
 
+async def refuses_to_end(release: asyncio.Event) -> None:
+    """Swallows every cancellation until `release` is set."""
+    while not release.is_set():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            continue
+
+
 def test_the_callers_own_cancellation_is_not_swallowed():
     """`task.cancel(); await task` inside `except CancelledError: pass` also swallowed a
     cancellation of the one stopping: a stop cut short by a timeout went on."""
     release = asyncio.Event()
 
-    async def stubborn():
-        while not release.is_set():
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                continue  # refuses to end until released
-
     async def go():
-        task = asyncio.create_task(stubborn())
+        task = asyncio.create_task(refuses_to_end(release))
         await asyncio.sleep(0)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.3):
@@ -79,18 +81,11 @@ def test_a_stop_ends_the_other_tasks_and_names_those_that_will_not_end():
     is returned once the time is up, the caller not stuck on it (asyncio.run would be)."""
     release = asyncio.Event()
 
-    async def never_ends():
-        while not release.is_set():
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                continue
-
     async def go():
         event = asyncio.Event()
         dropping = asyncio.create_task(waits_with_wait_for(event, []))
         plain = asyncio.create_task(asyncio.sleep(60))
-        stubborn = asyncio.create_task(never_ends())
+        stubborn = asyncio.create_task(refuses_to_end(release))
         await asyncio.sleep(0.05)
         event.set()
         loop = asyncio.get_running_loop()
