@@ -475,7 +475,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
                chaos_orchestrators: bool = False, min_stops: int = 0) -> dict:
     """Run the soak against `stack` (a started LocalStack, nothing else using it; two
     orchestrators where `chaos_orchestrators`); print and return the report. With chaos, the
-    clients go on past `seconds` (for as long again at most) until the churn has stopped
+    clients go on past `seconds` (for twice as long again at most) until the churn has stopped
     `min_stops` servers: a slow machine's restarts take longer, and a short run that a test
     makes must still see its stops."""
     procs = processes(stack)
@@ -490,7 +490,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         now = time.monotonic()
         if max_requests is not None and issued >= max_requests:
             return False
-        return now < t_end or (bool(chaos) and len(restarts) < min_stops and now < t_end + seconds)
+        return now < t_end or (bool(chaos) and len(restarts) < min_stops and now < t_end + 2 * seconds)
 
     async def client(front: Front) -> None:
         nonlocal issued
