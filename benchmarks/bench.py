@@ -166,8 +166,9 @@ def log(msg: str) -> None:
 def describe(r: RunResult) -> str:
     alpha = f", α {r.alpha:.2f}" if r.alpha is not None else ""
     gamma = f", γ {r.gamma:.2f}" if r.gamma is not None else ""
+    tpot = f" (TPOT {r.tpot_p50:.1f})" if r.tpot_p50 is not None else ""
     return (f"({r.system}) {SYSTEMS[r.system]:<28} {MODE_TITLES[r.mode]:<13} c={r.concurrency:<3}"
-            f" {r.tps:8.1f} tok/s, p50 {r.p50:.1f} ms/tok{gamma}{alpha}")
+            f" {r.tps:8.1f} tok/s, p50 {r.p50:.1f} ms/tok{tpot}{gamma}{alpha}")
 
 
 # ----------------------------------------------------------------------------- machine

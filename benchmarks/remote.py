@@ -50,16 +50,18 @@ class StackClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def one(self, req: pb.GenerateRequest) -> tuple[list[list[int]], pb.GenerationStats, float]:
-        """→ (tokens per round, stats, ms)."""
+    async def one(self, req: pb.GenerateRequest) -> tuple[list[list[int]], pb.GenerationStats, float, float | None]:
+        """→ (tokens per round, stats, ms, ms until the first token arrived; None if none did)."""
         t0 = time.perf_counter()
-        per_round, stats = [], None
+        per_round, stats, first = [], None, None
         async for chunk in self.stub.GenerateStream(req, timeout=self.timeout):
             if chunk.token_ids:
+                if first is None:
+                    first = (time.perf_counter() - t0) * 1000
                 per_round.append(list(chunk.token_ids))
             if chunk.HasField("stats"):
                 stats = chunk.stats
-        return per_round, stats, (time.perf_counter() - t0) * 1000
+        return per_round, stats, (time.perf_counter() - t0) * 1000, first
 
     async def warm_up(self, requests: list[Request], max_new: int, seconds: float) -> None:
         """Traffic for `seconds` before anything is measured (at least one request of each
@@ -115,8 +117,8 @@ class StackClient:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         res.wall_s = time.perf_counter() - t0
         for r in requests:
-            per_round, s, ms = done[r.index]
-            res.add_request([t for rnd in per_round for t in rnd], ms)
+            per_round, s, ms, first = done[r.index]
+            res.add_request([t for rnd in per_round for t in rnd], ms, first)
             res.rounds += s.rounds
             res.drafted += s.drafted_tokens
             res.looked_up += s.lookup_drafted_tokens

@@ -17,7 +17,8 @@ def find(runs: list[RunResult], system: str, mode: str, concurrency: int) -> Run
     return next((r for r in runs if (r.system, r.mode, r.concurrency) == (system, mode, concurrency)), None)
 
 
-COLUMNS = ("system", "tok/s", "× (a)", "× (f)", "p50 ms/tok", "p99 ms/tok", "acc. rate", "α", "accepted/round",
+COLUMNS = ("system", "tok/s", "× (a)", "× (f)", "p50 ms/tok", "p99 ms/tok", "p50 TTFT ms", "p50 TPOT ms",
+           "p99 TPOT ms", "acc. rate", "α", "accepted/round",
            "tokens/target pass", "γ", "bound tok/s", "efficiency", "bytes/round",
            "draft ms/round", "verify ms/round", "network ms/round", "redis ms/round")
 
@@ -26,7 +27,7 @@ def _row(r: RunResult, a: RunResult | None, f: RunResult | None) -> list[str]:
     gamma = "—" if r.gamma is None else (f"{r.gamma:.0f}" if r.system != "e" else f"{r.gamma:.2f} (mean)")
     return [f"({r.system}) {SYSTEMS[r.system]}", f"{r.tps:.1f}",
             fmt(r.tps / a.tps if a and a.tps else None), fmt(r.tps / f.tps if f and f.tps else None),
-            fmt(r.p50), fmt(r.p99), fmt(r.acceptance_rate), fmt(r.alpha), fmt(r.accepted_length),
+            fmt(r.p50), fmt(r.p99), fmt(r.ttft_p50), fmt(r.tpot_p50), fmt(r.tpot_p99), fmt(r.acceptance_rate), fmt(r.alpha), fmt(r.accepted_length),
             fmt(r.tokens_per_pass), gamma, fmt(r.bound_tps, ".1f"), fmt(r.efficiency),
             fmt(r.wire_bytes, ",.0f", r.wire_note), *(fmt(r.stage_per_round(s)) for s in ("draft", "verify", "network", "redis"))]
 
@@ -307,6 +308,9 @@ def write_results(path: Path, plot_path: Path, args, meta: dict, costs: Costs, r
             "## Definitions", "",
             "- tokens/s: tokens generated ÷ wall time of the run (aggregate over the c streams).",
             "- ms/tok: each request's wall time ÷ its tokens; p50/p99 over requests (nearest rank).",
+            "- TTFT: when a request's first token arrived; TPOT: its wall time after that ÷ its tokens after the "
+            "first (requests of 2+ tokens); p50/p99 over requests. Streamed systems only (the distributed ones); "
+            "the in-process ones return each request whole (—).",
             "- acc. rate = accepted ÷ drafted; α = accepted ÷ tried (tried = Σ min(n+1, γ) over rounds): "
             "the per-token rate E[n] assumes.",
             "- bound tok/s = 1000·B·E[n] ÷ (γ·t_draft(B) + t_verify(γ, B)) at B streams, E[n] = (1 − α^(γ+1)) ÷ (1 − α), "

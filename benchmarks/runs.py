@@ -6,6 +6,11 @@ Definitions (the same for every system):
 - time per output token (per request): the request's wall time (prefill included) / its
   generated tokens; p50 and p99 over the run's requests (nearest rank: with a handful of
   requests p99 is the slowest one).
+- time to first token (TTFT) and time per output token after the first (TPOT), per
+  request, where the system streams (the distributed ones: the first chunk's arrival, then
+  (wall − TTFT) / (tokens − 1) over requests of two tokens or more): a request that ends
+  after a few tokens has its prefill spread over them in the first measure, not in TPOT.
+  The in-process systems return each request whole and leave them blank.
 - acceptance rate: accepted / drafted draft tokens (the public stats' acceptance_rate).
 - α (per token): accepted / tried, where a round that accepted n of γ tried min(n + 1, γ)
   tokens: the estimate of the per-token acceptance that E[n] assumes. Known only where
@@ -74,6 +79,8 @@ class RunResult:
     gamma: float | None  # fixed γ, or the mean γ of an adaptive run; None = no speculation
     wall_s: float = 0.0
     ms_per_token: list[float] = field(default_factory=list)  # per request
+    ttft_ms: list[float] = field(default_factory=list)  # per request, where the system streams
+    tpot_ms: list[float] = field(default_factory=list)  # per request of 2+ tokens, where it streams
     outputs: list[list[int]] = field(default_factory=list)  # per request, in request order
     rounds: int = 0
     drafted: int = 0
@@ -105,6 +112,18 @@ class RunResult:
         return percentile(self.ms_per_token, 99)
 
     @property
+    def ttft_p50(self) -> float | None:
+        return percentile(self.ttft_ms, 50) if self.ttft_ms else None
+
+    @property
+    def tpot_p50(self) -> float | None:
+        return percentile(self.tpot_ms, 50) if self.tpot_ms else None
+
+    @property
+    def tpot_p99(self) -> float | None:
+        return percentile(self.tpot_ms, 99) if self.tpot_ms else None
+
+    @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None
 
@@ -129,9 +148,14 @@ class RunResult:
             return None
         return self.stage_ms[stage] / self.rounds
 
-    def add_request(self, tokens: list[int], ms: float) -> None:
+    def add_request(self, tokens: list[int], ms: float, first_ms: float | None = None) -> None:
+        """One request's tokens and wall time; `first_ms`, when its first token arrived."""
         self.outputs.append(list(tokens))
         self.ms_per_token.append(ms / max(1, len(tokens)))
+        if first_ms is not None:
+            self.ttft_ms.append(first_ms)
+            if len(tokens) >= 2:
+                self.tpot_ms.append((ms - first_ms) / (len(tokens) - 1))
 
 
 def tried_tokens(accepted_per_round: list[int], gamma: int, max_new: int) -> int:
@@ -155,6 +179,8 @@ def merge(parts: list[RunResult]) -> RunResult:
     for p in parts:
         out.wall_s += p.wall_s
         out.ms_per_token += p.ms_per_token
+        out.ttft_ms += p.ttft_ms
+        out.tpot_ms += p.tpot_ms
         out.outputs += p.outputs
         out.rounds += p.rounds
         out.drafted += p.drafted

@@ -95,6 +95,23 @@ def test_merged_passes_pool_tokens_and_time():
     assert fixed.gamma == 4 and fixed.tried == 8
 
 
+def test_a_streamed_request_splits_its_first_token_from_the_rest():
+    """A 3-token answer after a 40 ms prefill: 14.7 ms a token over the whole request, but
+    its tokens after the first came 2 ms apart; a one-token answer has no TPOT; a request
+    returned whole has neither. Merged passes pool them."""
+    r = RunResult("f", "t1", 1, None)
+    r.add_request([5, 6, 7], 44.0, first_ms=40.0)
+    r.add_request([8], 30.0, first_ms=30.0)
+    r.add_request([9, 10], 20.0)  # in-process: no first-token time
+    assert r.ms_per_token == [pytest.approx(44 / 3), 30.0, 10.0]
+    assert r.ttft_ms == [40.0, 30.0] and r.tpot_ms == [2.0]
+    assert r.tpot_p50 == 2.0 and r.tpot_p99 == 2.0 and r.ttft_p50 in (30.0, 40.0)
+    whole = RunResult("c", "t1", 1, 4)
+    whole.add_request([1, 2], 8.0)
+    assert whole.ttft_p50 is None and whole.tpot_p50 is None and whole.tpot_p99 is None
+    assert merge([r, r]).tpot_ms == [2.0, 2.0] and len(merge([r, r]).ttft_ms) == 4
+
+
 def test_a_run_keeps_every_stream_busy_for_per_stream_requests():
     from benchmarks.bench import parse_args, request_count
 

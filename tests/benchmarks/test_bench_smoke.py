@@ -18,6 +18,12 @@ def test_bench_quick_writes_the_report_and_the_plot(bundled_paths, tmp_path):
                    "| system | tok/s |", "(e) distributed, adaptive γ", "(b) HF assisted generation"):
         assert header in text, header
     assert "parameters, float32" in text  # each model's dtype as served
+    # the streamed systems report their first token apart from the rest; the in-process ones cannot
+    header = next(line for line in text.splitlines() if line.startswith("| system | tok/s |"))
+    ttft = [c.strip() for c in header.strip("|").split("|")].index("p50 TTFT ms")
+    rows = {line.split("|")[1].strip()[:3]: [c.strip() for c in line.strip("|").split("|")]
+            for line in text.split("## greedy, 1 stream")[1].split("##")[0].splitlines() if line.startswith("| (")}
+    assert float(rows["(f)"][ttft]) > 0 and float(rows["(f)"][ttft + 1]) > 0 and rows["(c)"][ttft] == "—"
     png = tmp_path / "speedup.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
