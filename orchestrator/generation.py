@@ -68,6 +68,9 @@ CALL_TURNS = 2
 # (orchestrator/draft_waits.py): a replica that stalls (a pause, a hang, a queue far too long)
 # costs its sessions this wait once instead of the whole stall
 DRAFT_WAIT_S = 0.25
+# how a call's first round is drafted (--first-round): as any round, or by no draft replica,
+# so that the first token streams after the target's prefill alone
+FIRST_ROUNDS = ("speculate", "target")
 # a feed longer than this many tokens (a prompt's prefill, a cache rebuilt elsewhere) goes to
 # a replica as calls of this many tokens (`Generator._feed_in_chunks`): one batched forward
 # over a whole long prompt holds every other session in it for as long (about 1 s for
@@ -102,7 +105,8 @@ class Generator:
                  stop_below: tuple[float, float] = (STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED),
                  governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
                  prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S,
-                 lookup: str = "greedy", end_ids: frozenset[int] | None = None) -> None:
+                 lookup: str = "greedy", end_ids: frozenset[int] | None = None,
+                 first_round: str = "speculate") -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
@@ -121,6 +125,9 @@ class Generator:
         self.waits = DraftWaits(draft_wait)
         self.lookup = ngram.lookup_mode(lookup)  # which sessions may draft by prompt lookup (ngram.MODES)
         self.lookup_rates = ngram.LookupRates()  # a new sampled session's lookup prior: the recent rate
+        if first_round not in FIRST_ROUNDS:
+            raise ValueError(f"first_round must be one of {', '.join(FIRST_ROUNDS)}, not {first_round!r}")
+        self.first_round = first_round  # target: a call's first round is the target's prefill alone
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
                                    overlap_min_hit, overlap_min_use, overlap_forks)
@@ -407,6 +414,7 @@ class Generator:
         if opened.retry and handle.policy and gen.keeps_policy:
             gen.policy = SessionPolicy.restore(handle.policy)
         gen.stats.started = t_start
+        gen.prefill_round = self.first_round == "target" and gen.policy.fixed is None
         generated, reason, done = list(opened.resumed), "length", False
         ok = False  # the answer is whole: a request id's session not kept is released
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
@@ -453,6 +461,7 @@ class Generator:
                 gen.calls.clear()
                 release, pending = self._end_round(gen, book, new, out_text, scores, emit,
                                                    first=len(generated) == len(opened.resumed) + len(new))
+                gen.prefill_round = False
                 if reason in ("eos", "stop"):
                     break
             if pending is not None:
@@ -518,9 +527,10 @@ class Generator:
                      m: int) -> tuple[list[int], replica_pb2.DraftDistributions | None, int]:
         """This round's proposal → (draft tokens, their distributions or None, γ): the draft
         replica's, or prompt lookup's (`_look_up`, `_look_up_instead`: point masses, or none
-        under greedy);
+        under greedy); prompt lookup's only in a call's first round under --first-round
+        target, which then waits for no draft call (the draft's prefill and γ steps);
         γ = 0 (target-only) when the policy says so or neither can serve."""
-        ready = gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)
+        ready = gen.handle.draft_replica and gen.speculating and not gen.prefill_round and self.waits.ready(gen)
         gen.runner_ups, gen.line, gen.looked_up = None, None, False
         if not ready:
             draft = self._look_up(gen, remaining, m)

@@ -116,6 +116,9 @@ class Generation:
     lookup_asked: bool | None = None  # the request's prompt_lookup (None: unset)
     lookup: LookupPolicy = field(default_factory=LookupPolicy)  # its lookups' length (from ngram.LookupRates)
     speculating: bool = True  # this round's mode under load (orchestrator/governor.py)
+    # this call's first round, which no draft replica drafts (--first-round target): its
+    # first token streams after the target's prefill alone
+    prefill_round: bool = False
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
     calls: list["Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping
     # a draft call the loop stopped waiting for (`DraftWaits.in_time`): until it ends the

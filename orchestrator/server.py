@@ -14,8 +14,8 @@ from google.protobuf.message import DecodeError
 
 from orchestrator import access_log, ngram
 from orchestrator.gamma_policy import CostModel
-from orchestrator.generation import (DRAFT_WAIT_S, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE, RETRY_WINDOW_S,
-                                    STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome, deadline_passed)
+from orchestrator.generation import (DRAFT_WAIT_S, FIRST_ROUNDS, OVERLAP_FORKS, PREFILL_CHUNK, OVERLAP_MIN_USE,
+                                    RETRY_WINDOW_S, STOP_BELOW_GREEDY, STOP_BELOW_SAMPLED, Generator, Outcome, deadline_passed)
 from orchestrator.governor import MARGIN as GOVERNOR_MARGIN, LoadGovernor
 from orchestrator.pools import PoolClients
 from orchestrator.reaper import INTERVAL_S as REAP_INTERVAL_S, Reaper
@@ -395,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "A stalled draft replica then costs a generation this wait, not the stall; 0 = wait "
                          "for the call's whole timeout. Seeded sampled requests always wait (they must "
                          "reproduce) [SPECDEC_DRAFT_WAIT_MS]")
+    ap.add_argument("--first-round", choices=FIRST_ROUNDS, default=env("FIRST_ROUND", "speculate"),
+                    help="how a call's first round is drafted: speculate (default) drafts it as any round, so "
+                         "its first chunk carries several tokens after the draft's prefill and the target's; "
+                         "target drafts it by prompt lookup only (greedy) or not at all, so the first token "
+                         "streams after the target's prefill alone, as target-only decoding's does, at the "
+                         "price of one more round a call (adaptive γ only: a request fixing γ drafts as it "
+                         "asks) [SPECDEC_FIRST_ROUND]")
     ap.add_argument("--prompt-lookup", choices=(*ngram.MODES, "on"), default=env("PROMPT_LOOKUP", "greedy"),
                     help="rounds that no draft replica drafts (an empty or failed draft pool, a late draft, "
                          "drafting off under load or priced out) draft by prompt lookup instead of decoding "
@@ -450,7 +457,7 @@ async def serve(args: argparse.Namespace) -> None:
                           stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
                           call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
                           prefill_chunk=args.prefill_chunk, retry_window=args.retry_window,
-                          lookup=args.prompt_lookup, end_ids=end_ids)
+                          lookup=args.prompt_lookup, end_ids=end_ids, first_round=args.first_round)
     log.info("answers end at token ids %s (the tokenizer's EOS and the generation config's)", sorted(end_ids))
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
