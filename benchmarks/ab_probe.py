@@ -84,7 +84,9 @@ async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, pe
                              if run.rounds else "")
                     shape += (f" accepted {run.accepted / run.drafted:.2f} looked up {run.looked_up / run.drafted:.2f}"
                               if run.drafted else "")
-                    print(f"round {k + 1} {arm}: {mode} {streams} streams ({system}) {run.tps:.1f} tok/s{shape}",
+                    latency = (f" TTFT p50 {run.ttft_p50:.2f} ms TPOT p50 {run.tpot_p50:.2f} ms"
+                               if run.tpot_p50 is not None else "")
+                    print(f"round {k + 1} {arm}: {mode} {streams} streams ({system}) {run.tps:.1f} tok/s{latency}{shape}",
                           flush=True)
     finally:
         for client in clients.values():
