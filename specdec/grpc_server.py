@@ -157,8 +157,8 @@ async def end_leftover_tasks(timeout: float = LEFTOVER_S) -> None:
     if not left:
         return
     for task in left:
-        where = "\n".join(awaiting(task))
-        log.error("task %s did not end %.0fs after being cancelled; it waits at:\n%s", task.get_name(), timeout, where)
+        log.error("task %s did not end %.0fs after being cancelled; it waits at:\n%s", task.get_name(), timeout,
+                  _where(task))
     logging.shutdown()
     sys.stderr.flush()
     os._exit(1)
@@ -178,11 +178,16 @@ def _write_threads(after: float) -> None:
 
 def _log_pending_tasks(after: float) -> None:
     for task in asyncio.all_tasks():
-        try:
-            where = "\n".join(awaiting(task))
-        except Exception as exc:  # a dump that fails must not hide the other tasks
-            where = f"  (its stack could not be read: {exc!r})"
-        log.warning("the stop has run %.1fs and still waits on task %s:\n%s", after, task.get_name(), where)
+        log.warning("the stop has run %.1fs and still waits on task %s:\n%s", after, task.get_name(), _where(task))
+
+
+def _where(task: asyncio.Task) -> str:
+    """`awaiting(task)` as text; a dump that fails says so rather than raise, so that it
+    hides neither the other tasks nor what the caller does next (an exit, at a stop's end)."""
+    try:
+        return "\n".join(awaiting(task))
+    except Exception as exc:
+        return f"  (its stack could not be read: {exc!r})"
 
 
 def awaiting(task: asyncio.Task, depth: int = 64) -> list[str]:
