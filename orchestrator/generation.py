@@ -130,7 +130,7 @@ class Generator:
         self.first_round = first_round  # target: a call's first round is the target's prefill alone
         # pre-draft the next round during verification (adaptive γ only)
         self.predraft = PreDrafter(self.costs, self.waits, self._timeout, max_len, calls, overlap,
-                                   overlap_min_hit, overlap_min_use, overlap_forks)
+                                   overlap_min_hit, overlap_min_use, overlap_forks, max_feed=prefill_chunk)
 
     # ----------------------------------------------------------------- session set-up
     async def _open(self, req: GenerationRequest, owner: str) -> Opened:
@@ -448,7 +448,10 @@ class Generator:
                 if release is not None:
                     release.set()  # the previous round's commit follows this verification out
                 verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
-                pre = None if ahead is None else await self.predraft.take(gen, ahead, verdict, gamma)
+                # a first round's token streams before its pre-draft is waited for (below):
+                # the draft's prefill of the prompt may outlast the target's
+                early = ahead is not None and not gen.prefill_round
+                pre = await self.predraft.take(gen, ahead, verdict, gamma) if early else None
                 new, out_text, reason = self._apply(gen, m, gamma, draft_tokens, verdict)
                 scores = self._scores(gen, verdict, len(new))
                 generated.extend(new)
@@ -461,6 +464,9 @@ class Generator:
                 gen.calls.clear()
                 release, pending = self._end_round(gen, book, new, out_text, scores, emit,
                                                    first=len(generated) == len(opened.resumed) + len(new))
+                if ahead is not None and not early:
+                    pre = await self.predraft.take(gen, ahead, verdict, gamma)
+                    self._take_draft_holds(gen)
                 gen.prefill_round = False
                 if reason in ("eos", "stop"):
                     break
@@ -645,6 +651,7 @@ class Generator:
                                        verdict.cache_length, len(new))
         if gen.line is not None:  # this round's draft was a fork's: the draft's cache lacks it
             handle.cursor.draft_len = min(handle.cursor.draft_len, gen.line)
+        self._take_draft_holds(gen)
         # a seeded session's policy counts its kept length, a function of its own tokens
         # only, so that the same request yields the same rounds; others learn from the
         # target's keep chances of a sampled draft (gamma_policy.keep_chances)
@@ -664,6 +671,15 @@ class Generator:
                       m, gamma, draft_tokens, verdict.accepted, verdict.next_token, handle.draft_replica or "-",
                       handle.target_replica)
         return new, text, reason
+
+    @staticmethod
+    def _take_draft_holds(gen: Generation) -> None:
+        """Where a pre-draft fed the draft's cache further than the round's cursor says
+        (PreDrafter._take_main), the next proposal starts there, below the committed length."""
+        if gen.draft_holds is not None:
+            cursor = gen.handle.cursor
+            cursor.draft_len = max(cursor.draft_len, min(gen.draft_holds, len(gen.handle.committed) - 1))
+            gen.draft_holds = None
 
     @staticmethod
     def _scores(gen: Generation, verdict, kept: int) -> list[logprobs.TokenLogprob] | None:

@@ -120,6 +120,9 @@ class Generation:
     # first token streams after the target's prefill alone
     prefill_round: bool = False
     rounds_in_mode: int = 0  # rounds in a row in that mode, this one included
+    # how much of the committed tokens and this round's draft a pre-draft that answered fed
+    # the draft replica's cache (PreDrafter._take_main); the round's cursor takes it in
+    draft_holds: int | None = None
     calls: list["Call"] = field(default_factory=list)  # this round's answered calls, for its bookkeeping
     # a draft call the loop stopped waiting for (`DraftWaits.in_time`): until it ends the
     # session makes no other, and its rounds are target-only

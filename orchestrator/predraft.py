@@ -46,6 +46,8 @@ class Ahead:
     full, bonus guessed) and forks by kept length j (runner-up at j + 1, its cache's base)."""
     main: asyncio.Task | None = None
     forks: dict[int, tuple[int, int, asyncio.Task]] = field(default_factory=dict)
+    fed: int = 0  # the length of the committed tokens and the round's draft the main one feeds
+    first: bool = False  # the main one follows a first round the draft replica did not draft
 
     def tasks(self) -> list[asyncio.Task]:
         return ([self.main] if self.main else []) + [task for _, _, task in self.forks.values()]
@@ -60,7 +62,7 @@ class PreDrafter:
 
     def __init__(self, costs: CostModel, waits: DraftWaits, timeout: Callable[[float | None], float],
                  max_len: int, calls: str, enabled: bool = True, min_hit: float = OVERLAP_MIN_HIT,
-                 min_use: float = OVERLAP_MIN_USE, forks: int = OVERLAP_FORKS) -> None:
+                 min_use: float = OVERLAP_MIN_USE, forks: int = OVERLAP_FORKS, max_feed: int = 0) -> None:
         self.costs = costs
         self.waits = waits
         self.timeout = timeout  # a call's timeout for a deadline (`Generator._timeout`)
@@ -70,6 +72,7 @@ class PreDrafter:
         self.min_hit = min_hit
         self.min_use = min_use  # under load (CostModel.predraft_pays)
         self.forks = forks  # greedy branch pre-drafts while alone
+        self.max_feed = max_feed  # tokens a first round's pre-draft feeds at most (0: no limit)
 
     # ----------------------------------------------------------------- starting
     def start(self, gen: Generation, draft_tokens: list[int], gamma: int, remaining: int,
@@ -87,8 +90,10 @@ class PreDrafter:
         the other sessions (`CostModel.predraft_pays`), or a draft replica failing while one
         runs (a pre-draft gets one attempt)."""
         policy = gen.policy
-        if not (self.enabled and policy.fixed is None and not policy.deterministic and gamma > 0
-                and not gen.looked_up and gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)):
+        drafted = gamma > 0 and not gen.looked_up  # by the draft replica
+        if not (self.enabled and policy.fixed is None and not policy.deterministic
+                and (drafted or self._after_prefill(gen, gamma, m))
+                and gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)):
             return None
         main, forks = self.wanted(gen, gamma)
         if not (main or forks):
@@ -96,12 +101,16 @@ class PreDrafter:
         want = policy.choose(self.costs)  # one choice a round: choose counts the rounds it makes
         ahead = Ahead()
         # the draft's cache holds the committed tokens and the draft up to its last token,
-        # or, after a fork, the committed tokens up to gen.line: feed what it lacks
-        line = m + gamma - 1 if gen.line is None else gen.line
+        # or, after a fork, the committed tokens up to gen.line, or, in a first round it did
+        # not draft, what its cursor says: feed what it lacks
+        line = gen.handle.cursor.draft_len if not drafted else m + gamma - 1 if gen.line is None else gen.line
         seq = gen.handle.committed + draft_tokens
+        ahead.fed, ahead.first = m + gamma, not drafted
         g2 = rounds.plan_gamma(want, remaining - gamma - 1, m + gamma + 1, self.max_len) if main else 0
         if g2 > 0:
             ahead.main = asyncio.create_task(self._predraft(gen, line, seq[line:], g2 + 1))
+            if ahead.first:
+                metrics.OVERLAP.labels("first").inc()
         for j in forks:
             g = rounds.plan_gamma(want, remaining - j - 1, m + j + 1, self.max_len)
             if g > 0:
@@ -112,10 +121,24 @@ class PreDrafter:
                 metrics.OVERLAP.labels("fork").inc()
         return ahead if ahead.tasks() else None
 
+    def _after_prefill(self, gen: Generation, gamma: int, m: int) -> bool:
+        """Whether a call's first round that the draft replica does not draft (--first-round
+        target: the target's prefill alone, or a prompt lookup) pre-drafts the second: the
+        draft prefills the prompt and guesses the first token beside the target's prefill,
+        so the second round finds its draft made, as after any round. Not where the prompt
+        is long enough to go in chunks (`Generator._feed_in_chunks`), which keep each of the
+        draft's batched forwards short for the other sessions in it."""
+        lacking = m + gamma - gen.handle.cursor.draft_len
+        return gen.prefill_round and (not self.max_feed or lacking <= self.max_feed)
+
     def wanted(self, gen: Generation, gamma: int) -> tuple[bool, list[int]]:
         """→ (whether to pre-draft the main line, the forks' kept lengths)."""
         policy = gen.policy
-        main = policy.predraft_hit(gamma) >= self.min_hit
+        if gen.looked_up:  # a first round's lookup (`_after_prefill`) is kept at the lookup's rate
+            hit = gen.lookup.rate ** gamma * policy.guess_rate
+        else:
+            hit = policy.predraft_hit(gamma)
+        main = hit >= self.min_hit
         if main and not self.costs.predraft_pays(policy.greedy, self.min_use):
             metrics.OVERLAP.labels("skipped").inc()
             main = False
@@ -178,7 +201,7 @@ class PreDrafter:
         if kept is None:
             return None
         metrics.OVERLAP.labels("attempt").inc()
-        return await self._take_main(gen, kept, verdict)
+        return await self._take_main(gen, ahead, verdict)
 
     async def _take_fork(self, gen: Generation, ahead: Ahead, verdict) -> NextDraft | None:
         """A rejected round's fork, if it was drafted from the token the target corrected
@@ -201,12 +224,17 @@ class PreDrafter:
         gen.stats.overlap_hits += 1
         return list(spec.draft_tokens), None, len(spec.draft_tokens), list(spec.runner_ups) or None, base
 
-    async def _take_main(self, gen: Generation, ahead: asyncio.Task, verdict) -> NextDraft | None:
-        """The main pre-draft, kept only if its bonus token is the one the draft guessed."""
-        greedy = gen.policy.greedy
-        spec = await self.waits.in_time(gen, ahead)
-        if gen.late is ahead:
+    async def _take_main(self, gen: Generation, ahead: Ahead, verdict) -> NextDraft | None:
+        """The main pre-draft, kept only if its bonus token is the one the draft guessed.
+        One that answered fed the draft's cache the round's whole draft, all of it kept:
+        the next proposal need not feed it again (`gen.draft_holds`), which after a first
+        round the draft did not draft is the whole prompt."""
+        greedy, task = gen.policy.greedy, ahead.main
+        spec = await self.waits.in_time(gen, task)
+        if gen.late is task:
             return None
+        if spec is not None:
+            gen.draft_holds = ahead.fed
         if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
             self.costs.observe_predraft(greedy, False)
             return None
@@ -215,6 +243,8 @@ class PreDrafter:
         if spec.draft_tokens[0] != verdict.next_token:
             return None
         metrics.OVERLAP.labels("hit").inc()
+        if ahead.first:
+            metrics.OVERLAP.labels("first_hit").inc()
         gen.stats.overlap_hits += 1
         # a greedy proposal has no distributions
         dists = to_pb(drop_first_rows(from_pb(spec.distributions), 1)) if spec.HasField("distributions") else None

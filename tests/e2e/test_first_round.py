@@ -5,6 +5,7 @@ drafts its first round as it asks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.e2e.helpers import api, request
 from tests.e2e.test_pipeline import target_greedy
@@ -14,9 +15,18 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def first_round_target(local_stack):
-    """An orchestrator of the shared stack's replicas with --first-round target."""
-    orchestrator = local_stack.start_orchestrator(extra=["--first-round", "target"])
+def metrics_port():
+    from localstack.stack import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def first_round_target(local_stack, metrics_port):
+    """An orchestrator of the shared stack's replicas with --first-round target, pre-drafting
+    under load however few of its pre-drafts are used (--overlap-min-use 0)."""
+    orchestrator = local_stack.start_orchestrator(extra=["--first-round", "target", "--overlap-min-use", "0",
+                                                         "--metrics-port", str(metrics_port)])
     yield api(orchestrator.address)
     local_stack.orchestrators.remove(orchestrator)
     local_stack.kill(orchestrator, sig=15)
@@ -39,6 +49,60 @@ def test_the_first_token_comes_alone_and_the_answer_is_the_targets(first_round_t
         # sampled too: the first round is the target's alone, the law is the target's either way
         sampled = chunks(first_round_target, request(prompt, 8, 1.0, seed=7))
         assert len(sampled[0].token_ids) == 1
+
+
+def test_the_draft_drafts_the_second_round_beside_the_first(first_round_target, metrics_port, target_model,
+                                                            tokenizer, heldout_prompts):
+    """While the target prefills the prompt, the draft prefills it too, guesses the first
+    token and drafts the second round on it (PreDrafter._after_prefill), used where the
+    guess was the target's token; greedy output stays the target's either way."""
+    from localstack.stack import scrape_metrics
+
+    before = scrape_metrics(metrics_port)
+    for prompt in heldout_prompts[4:10]:
+        ids = tokenizer(prompt)["input_ids"]
+        got = first_round_target.Generate(request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False), timeout=120)
+        assert list(got.token_ids) == target_greedy(target_model, ids, NEW_TOKENS, tokenizer.eos_token_id)
+    after = scrape_metrics(metrics_port)
+
+    def counted(outcome: str) -> float:
+        key = f'specdec_overlap_total{{outcome="{outcome}"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert counted("first") == 6, "a first round did not pre-draft the second"
+    assert counted("first_hit") > 0, "no first round's pre-draft was used"
+
+
+def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_round_target, metrics_port,
+                                                                          target_model, tokenizer):
+    """Unseeded t = 1: the first token is the target's prefill's; the second comes from a
+    round pre-drafted beside it, kept where the draft's guess (under the target's noise) was
+    that first token. Keeping it only then must not bias what follows: the second token,
+    given the commonest first one, is still a draw from the target's law."""
+    import concurrent.futures as cf
+
+    from localstack.stack import scrape_metrics
+    from tests.specdec.test_spec_loop import _chisq
+
+    prompt, n = "def main(", 800
+    ids = tokenizer(prompt)["input_ids"]
+    before = scrape_metrics(metrics_port).get('specdec_overlap_total{outcome="first_hit"}', 0)
+
+    def two(_):  # three asked: the second round then drafts (a round drafts at most what is left)
+        return tuple(first_round_target.Generate(request(prompt, 3, 1.0), timeout=120).token_ids[:2])
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        pairs = list(pool.map(two, range(n)))
+    assert scrape_metrics(metrics_port)['specdec_overlap_total{outcome="first_hit"}'] - before > n / 5
+    with torch.no_grad():
+        p1 = torch.softmax(target_model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+    top = max(set(f for f, _ in pairs), key=[f for f, _ in pairs].count)
+    with torch.no_grad():
+        p2 = torch.softmax(target_model(input_ids=torch.tensor([ids + [top]])).logits[0, -1].float(), -1)
+    seconds = torch.tensor([s for f, s in pairs if f == top])
+    assert len(seconds) > 250
+    assert _chisq(torch.bincount(torch.tensor([f for f, _ in pairs]), minlength=p1.shape[0]).double(), p1) > 1e-3
+    assert _chisq(torch.bincount(seconds, minlength=p2.shape[0]).double(), p2) > 1e-3
 
 
 def test_a_request_fixing_gamma_drafts_its_first_round(first_round_target, local_stack):

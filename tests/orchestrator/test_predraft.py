@@ -43,3 +43,37 @@ def test_a_seeded_sampled_session_never_pre_drafts():
     session's must not turn on the other sessions or on a replica failing mid-call."""
     for costs in (CostModel(), loaded_with_unused_predrafts()):
         assert predrafter(costs).start(generation(deterministic=True), [1, 2, 3, 4], 4, 32, 12) is None
+
+
+def first_round(draft_len: int = 0) -> Generation:
+    """A call's first round under --first-round target: the draft replica has drafted
+    nothing, its cache holds `draft_len` of the 12 prompt tokens."""
+    gen = generation(deterministic=False, greedy=True)
+    gen.prefill_round = True
+    gen.handle.cursor.draft_len = draft_len
+    return gen
+
+
+def test_a_first_round_the_draft_did_not_draft_pre_drafts_the_second_unless_the_prompt_goes_in_chunks():
+    """Beside the target's prefill the draft prefills the prompt and guesses the first token;
+    a prompt long enough for chunked feeding (max_feed) is left to the chunks."""
+    drafter = PreDrafter(CostModel(), DraftWaits(0.25), lambda deadline: 30.0, max_len=2048, calls="frames",
+                         max_feed=8)
+    assert not drafter._after_prefill(first_round(), gamma=0, m=12)  # 12 tokens to feed, more than 8
+    assert drafter._after_prefill(first_round(draft_len=4), gamma=0, m=12)  # 8: a prefix cached
+    assert drafter._after_prefill(first_round(draft_len=6), gamma=2, m=12)  # a lookup's 2 as well
+    later = first_round(draft_len=4)
+    later.prefill_round = False  # any other round pre-drafts only after the draft replica drafted
+    assert not drafter._after_prefill(later, gamma=0, m=12)
+    assert predrafter(CostModel())._after_prefill(first_round(), gamma=0, m=12)  # max_feed 0: no limit
+
+
+def test_a_first_rounds_lookup_is_priced_at_the_lookups_rate():
+    """The pre-draft after a looked-up first round is used only if the whole lookup is kept,
+    which the session's lookup rate prices, not the draft's acceptance."""
+    gen = first_round()
+    gen.looked_up = True
+    gen.lookup.kept, gen.lookup.missed = 1.0, 9.0  # lookups rarely kept
+    assert predrafter(CostModel()).wanted(gen, gamma=3)[0] is False
+    gen.looked_up = False  # the draft's own rates (0.95) would pre-draft
+    assert predrafter(CostModel()).wanted(gen, gamma=3)[0] is True
