@@ -69,7 +69,9 @@ CALL_TURNS = 2
 # costs its sessions this wait once instead of the whole stall
 DRAFT_WAIT_S = 0.25
 # how a call's first round is drafted (--first-round): as any round, or by no draft replica,
-# so that the first token streams after the target's prefill alone
+# so that the first token streams after the target's prefill alone (the default: the draft
+# prefills the prompt and drafts the second round beside it, PreDrafter._after_prefill; by
+# turns as many tokens/s and a first token 8 ms in rather than 13, benchmarks/HISTORY.md)
 FIRST_ROUNDS = ("speculate", "target")
 # a feed longer than this many tokens (a prompt's prefill, a cache rebuilt elsewhere) goes to
 # a replica as calls of this many tokens (`Generator._feed_in_chunks`): one batched forward
@@ -106,7 +108,7 @@ class Generator:
                  governor: LoadGovernor | None = None, draft_wait: float | None = DRAFT_WAIT_S,
                  prefill_chunk: int = PREFILL_CHUNK, retry_window: int = RETRY_WINDOW_S,
                  lookup: str = "greedy", end_ids: frozenset[int] | None = None,
-                 first_round: str = "speculate") -> None:
+                 first_round: str = "target") -> None:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer

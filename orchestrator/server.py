@@ -395,13 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "A stalled draft replica then costs a generation this wait, not the stall; 0 = wait "
                          "for the call's whole timeout. Seeded sampled requests always wait (they must "
                          "reproduce) [SPECDEC_DRAFT_WAIT_MS]")
-    ap.add_argument("--first-round", choices=FIRST_ROUNDS, default=env("FIRST_ROUND", "speculate"),
-                    help="how a call's first round is drafted: speculate (default) drafts it as any round, so "
-                         "its first chunk carries several tokens after the draft's prefill and the target's; "
-                         "target drafts it by prompt lookup only (greedy) or not at all, so the first token "
-                         "streams after the target's prefill alone, as target-only decoding's does, at the "
-                         "price of one more round a call (adaptive γ only: a request fixing γ drafts as it "
-                         "asks) [SPECDEC_FIRST_ROUND]")
+    ap.add_argument("--first-round", choices=FIRST_ROUNDS, default=env("FIRST_ROUND", "target"),
+                    help="how a call's first round is drafted: target (default) drafts it by prompt lookup only "
+                         "(greedy) or not at all, so the first token streams after the target's prefill "
+                         "alone, as target-only decoding's does, while the draft prefills the prompt beside it "
+                         "and drafts the second round on its guess of that token; speculate drafts it as any "
+                         "round, so its first chunk carries several tokens but comes after the draft's "
+                         "prefill, its steps and the target's verification (adaptive γ only: a request fixing "
+                         "γ drafts as it asks) [SPECDEC_FIRST_ROUND]")
     ap.add_argument("--prompt-lookup", choices=(*ngram.MODES, "on"), default=env("PROMPT_LOOKUP", "greedy"),
                     help="rounds that no draft replica drafts (an empty or failed draft pool, a late draft, "
                          "drafting off under load or priced out) draft by prompt lookup instead of decoding "

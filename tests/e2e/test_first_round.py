@@ -1,7 +1,8 @@
-"""--first-round target: a call's first round is the target's prefill alone (prompt lookup
-aside), so its first token streams as target-only decoding's does; the answer is the
-target's greedy answer all the same, the later rounds speculate, and a request fixing γ
-drafts its first round as it asks."""
+"""--first-round target (the default): a call's first round is the target's prefill alone
+(prompt lookup aside), so its first token streams as target-only decoding's does, while the
+draft prefills the prompt and drafts the second round beside it; the answer is the target's
+greedy answer all the same, the later rounds speculate, and a request fixing γ drafts its
+first round as it asks. --first-round speculate drafts the first round as any other."""
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,17 @@ def chunks(stub, req) -> list:
     return list(stub.GenerateStream(req, timeout=120))
 
 
-def test_the_first_token_comes_alone_and_the_answer_is_the_targets(first_round_target, target_model, tokenizer,
+@pytest.fixture(scope="module")
+def first_round_speculate(local_stack):
+    orchestrator = local_stack.start_orchestrator(extra=["--first-round", "speculate"])
+    yield api(orchestrator.address)
+    local_stack.orchestrators.remove(orchestrator)
+    local_stack.kill(orchestrator, sig=15)
+
+
+def test_the_first_token_comes_alone_and_the_answer_is_the_targets(local_stack, target_model, tokenizer,
                                                                    heldout_prompts):
+    first_round_target = api(local_stack.orchestrator_address)  # the default
     for prompt in heldout_prompts[:4]:
         ids = tokenizer(prompt)["input_ids"]
         got = chunks(first_round_target, request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False))
@@ -105,11 +115,24 @@ def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_
     assert _chisq(torch.bincount(seconds, minlength=p2.shape[0]).double(), p2) > 1e-3
 
 
-def test_a_request_fixing_gamma_drafts_its_first_round(first_round_target, local_stack):
-    fixed = chunks(first_round_target, request("def main(", NEW_TOKENS, 0.0, gamma=4, prompt_lookup=False))
-    default = chunks(api(local_stack.orchestrator_address), request("def main(", NEW_TOKENS, 0.0, gamma=4,
-                                                                     prompt_lookup=False))
-    assert [list(c.token_ids) for c in fixed] == [list(c.token_ids) for c in default]  # the same rounds
+def test_a_request_fixing_gamma_drafts_its_first_round(first_round_speculate, local_stack):
+    fixed = chunks(api(local_stack.orchestrator_address), request("def main(", NEW_TOKENS, 0.0, gamma=4,
+                                                                   prompt_lookup=False))
+    speculating = chunks(first_round_speculate, request("def main(", NEW_TOKENS, 0.0, gamma=4, prompt_lookup=False))
+    assert [list(c.token_ids) for c in fixed] == [list(c.token_ids) for c in speculating]  # the same rounds
+    assert len(fixed[0].token_ids) > 1
+
+
+def test_first_round_speculate_drafts_the_first_round(first_round_speculate, target_model, tokenizer,
+                                                      heldout_prompts):
+    firsts = []
+    for prompt in heldout_prompts[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        got = chunks(first_round_speculate, request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False))
+        assert [t for c in got for t in c.token_ids] == target_greedy(target_model, ids, NEW_TOKENS,
+                                                                      tokenizer.eos_token_id)
+        firsts.append(len(got[0].token_ids))
+    assert max(firsts) > 1, "no first round drafted"
 
 
 def test_a_bad_first_round_setting_is_a_usage_error(local_stack):
