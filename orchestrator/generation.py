@@ -416,7 +416,9 @@ class Generator:
         if opened.retry and handle.policy and gen.keeps_policy:
             gen.policy = SessionPolicy.restore(handle.policy)
         gen.stats.started = t_start
-        gen.prefill_round = self.first_round == "target" and gen.policy.fixed is None
+        # not where a retry goes on from its first attempt's tokens: that attempt's first round
+        # was its prefill, and a seeded sampled answer must reproduce round by round
+        gen.prefill_round = self.first_round == "target" and gen.policy.fixed is None and not opened.resumed
         generated, reason, done = list(opened.resumed), "length", False
         ok = False  # the answer is whole: a request id's session not kept is released
         pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
