@@ -139,7 +139,9 @@ class PreDrafter:
         else:
             hit = policy.predraft_hit(gamma)
         main = hit >= self.min_hit
-        if main and not self.costs.predraft_pays(policy.greedy, self.min_use):
+        # a first round's pre-draft is exempt: even where its guess is wrong, the prompt it
+        # fed is what the next proposal would feed (`_take_main`)
+        if main and not gen.prefill_round and not self.costs.predraft_pays(policy.greedy, self.min_use):
             metrics.OVERLAP.labels("skipped").inc()
             main = False
         return main, self._likely_forks(gen, gamma)
@@ -196,12 +198,18 @@ class PreDrafter:
         if verdict.accepted < gamma:
             if kept is not None:
                 metrics.OVERLAP.labels("attempt").inc()
-                self.costs.observe_predraft(gen.policy.greedy, False)
+                self._observe(gen.policy.greedy, ahead, False)
             return await self._take_fork(gen, ahead, verdict)
         if kept is None:
             return None
         metrics.OVERLAP.labels("attempt").inc()
         return await self._take_main(gen, ahead, verdict)
+
+    def _observe(self, greedy: bool, ahead: Ahead, used: bool) -> None:
+        """A main pre-draft's fate joins its kind's use rate (`CostModel.predraft_pays`),
+        a first round's aside: its pre-drafts are not gated by the rate (`wanted`)."""
+        if not ahead.first:
+            self.costs.observe_predraft(greedy, used)
 
     async def _take_fork(self, gen: Generation, ahead: Ahead, verdict) -> NextDraft | None:
         """A rejected round's fork, if it was drafted from the token the target corrected
@@ -236,10 +244,10 @@ class PreDrafter:
         if spec is not None:
             gen.draft_holds = ahead.fed
         if spec is None or len(spec.draft_tokens) < 2:  # no draft after the guess
-            self.costs.observe_predraft(greedy, False)
+            self._observe(greedy, ahead, False)
             return None
         gen.policy.observe_guess(spec.draft_tokens[0] == verdict.next_token)
-        self.costs.observe_predraft(greedy, spec.draft_tokens[0] == verdict.next_token)
+        self._observe(greedy, ahead, spec.draft_tokens[0] == verdict.next_token)
         if spec.draft_tokens[0] != verdict.next_token:
             return None
         metrics.OVERLAP.labels("hit").inc()

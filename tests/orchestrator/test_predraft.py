@@ -77,3 +77,14 @@ def test_a_first_rounds_lookup_is_priced_at_the_lookups_rate():
     assert predrafter(CostModel()).wanted(gen, gamma=3)[0] is False
     gen.looked_up = False  # the draft's own rates (0.95) would pre-draft
     assert predrafter(CostModel()).wanted(gen, gamma=3)[0] is True
+
+
+def test_a_first_rounds_pre_draft_is_not_gated_by_the_kinds_use_rate():
+    """Even where its guess is wrong a first round's pre-draft fed the draft the prompt the
+    next proposal would feed: the use rate that stops wasted pre-drafts does not stop it."""
+    costs = loaded_with_unused_predrafts()
+    gen = first_round()
+    gen.policy.greedy = False
+    assert predrafter(costs).wanted(gen, gamma=0)[0] is True
+    gen.prefill_round = False
+    assert predrafter(costs).wanted(gen, gamma=0)[0] is False
