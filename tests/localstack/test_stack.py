@@ -78,3 +78,23 @@ def test_a_server_that_does_not_stop_is_killed_and_its_log_shown(bundled_paths, 
     err = capsys.readouterr().err
     assert f"draft {replica.address} did not exit within 1s of SIGTERM and was killed" in err
     assert "replica serving on" in err  # the log's own lines
+
+
+def test_the_demo_streams_its_prompts_and_reports_the_speedup(bundled_paths):
+    """`make demo` (the README's run command): a whole stack on the bundled models, each
+    prompt streamed with its stats and a target-only run beside it, then the mean speedup,
+    and it exits 0."""
+    import re
+
+    from localstack.demo import PROMPTS
+
+    proc = subprocess.run([sys.executable, "-m", "localstack", "demo", "--max-new-tokens", "24"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("--- speculative (adaptive γ): [24 tokens in") == len(PROMPTS), out[-3000:]
+    firsts = re.findall(r"target-only through the same services: [\d.]+ tok/s, first after (\d+) ms; "
+                        r"speedup ([\d.]+)x", out)
+    assert len(firsts) == len(PROMPTS)
+    mean = re.search(r"mean speedup over target-only decoding: ([\d.]+)x", out)
+    assert mean and float(mean.group(1)) > 0
