@@ -99,15 +99,20 @@ def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_
 
     from tests.specdec.test_spec_loop import _chisq
 
-    prompt, n = "def main(", 1200
+    prompt = "def main("
     ids = tokenizer(prompt)["input_ids"]
 
     def call(_):  # three asked: the second round then drafts (a round drafts at most what is left)
         got = first_round_target.Generate(request(prompt, 3, 1.0), timeout=120)
         return got.token_ids[0], got.token_ids[1], got.stats.overlap_hits > 0
 
+    # calls in batches until enough second rounds were pre-drafted: how many are depends on
+    # the sessions' γ choices under 16 callers (CI saw 17 % on a slow spell, 20-30 % usually);
+    # stopping on that count alone does not bias the tokens tested
+    calls: list = []
     with cf.ThreadPoolExecutor(16) as pool:
-        calls = list(pool.map(call, range(n)))
+        while len(calls) < 3600 and sum(hit for _, _, hit in calls) < 300:
+            calls += list(pool.map(call, range(600)))
     with torch.no_grad():
         p1 = torch.softmax(target_model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
     firsts = [f for f, _, _ in calls]
@@ -117,7 +122,7 @@ def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_
         p2 = torch.softmax(target_model(input_ids=torch.tensor([ids + [top]])).logits[0, -1].float(), -1)
     seconds = [s for f, s, _ in calls if f == top]
     pre_drafted = [s for f, s, hit in calls if f == top and hit]
-    assert sum(hit for _, _, hit in calls) > n / 5 and len(pre_drafted) > 100, "too few pre-drafts were used"
+    assert len(pre_drafted) > 100, f"too few pre-drafts were used: {len(pre_drafted)} of {len(calls)} calls"
     for sample in (seconds, pre_drafted):
         assert _chisq(torch.bincount(torch.tensor(sample), minlength=p2.shape[0]).double(), p2) > 1e-3
 
