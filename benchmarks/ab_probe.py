@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-flags", default="", help="flags for the draft replica, shared by every arm "
                     "(e.g. '--max-batch 1': an undersized draft pool)")
     ap.add_argument("--target-flags", default="", help="flags for the target replica, shared by every arm")
+    ap.add_argument("--join", type=int, default=1,
+                    help="held-out prompts joined into each prompt (default 1; 10 makes prompts of 300-450 "
+                         "tokens, longer than --prefill-chunk's default 256)")
     add_workload_args(ap, warm_up=3.0)
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
@@ -121,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(fields) - {name for name, _ in arms}
     if unknown:
         raise SystemExit(f"--fields names arms that are not given with --arm: {', '.join(sorted(unknown))}")
-    if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens) < 1:
-        raise SystemExit("--rounds, --prompts, --per-stream and --max-new-tokens must be at least 1")
+    if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens, args.join) < 1:
+        raise SystemExit("--rounds, --prompts, --per-stream, --max-new-tokens and --join must be at least 1")
     if not 0 <= args.drafts <= 4:
         raise SystemExit(f"--drafts must lie in 0..4, got {args.drafts}")
     from training.corpus import heldout_prompts
 
     tok = load_tokenizer(args.target)
-    prompt_ids = [tok(p)["input_ids"] for p in heldout_prompts(args.prompts)]
+    texts = heldout_prompts(args.prompts + args.join - 1)
+    prompt_ids = [tok("\n".join(texts[i : i + args.join]))["input_ids"] for i in range(args.prompts)]
     stack = LocalStack(draft_model=args.draft, target_model=args.target, threads=1)
     try:
         stack.start_redis()

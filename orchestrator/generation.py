@@ -70,7 +70,7 @@ CALL_TURNS = 2
 DRAFT_WAIT_S = 0.25
 # how a call's first round is drafted (--first-round): as any round, or by no draft replica,
 # so that the first token streams after the target's prefill alone (the default: the draft
-# prefills the prompt and drafts the second round beside it, PreDrafter._after_prefill; by
+# prefills the prompt and drafts the second round beside it, PreDrafter.start; by
 # turns as many tokens/s and a first token 8 ms in rather than 13, benchmarks/HISTORY.md)
 FIRST_ROUNDS = ("speculate", "target")
 # a feed longer than this many tokens (a prompt's prefill, a cache rebuilt elsewhere) goes to
@@ -368,7 +368,7 @@ class Generator:
 
     def _chunk_calls(self, lacking: int) -> int:
         """The calls of their own `_feed_in_chunks` makes for a cache `lacking` this many tokens."""
-        return (lacking - 1) // self.prefill_chunk if self.prefill_chunk and lacking > 0 else 0
+        return rounds.chunk_calls(lacking, self.prefill_chunk)
 
     def _on_error(self, exc: grpc.aio.AioRpcError, handle: SessionHandle, kind: str, deadline,
                   stats: Stats) -> set[str]:

@@ -47,6 +47,7 @@ class Ahead:
     main: asyncio.Task | None = None
     forks: dict[int, tuple[int, int, asyncio.Task]] = field(default_factory=dict)
     fed: int = 0  # the length of the committed tokens and the round's draft the main one feeds
+    calls: int = 1  # the main one's calls: a long feed (a first round's prompt) goes in chunks
     first: bool = False  # the main one follows a first round the draft replica did not draft
 
     def tasks(self) -> list[asyncio.Task]:
@@ -72,7 +73,7 @@ class PreDrafter:
         self.min_hit = min_hit
         self.min_use = min_use  # under load (CostModel.predraft_pays)
         self.forks = forks  # greedy branch pre-drafts while alone
-        self.max_feed = max_feed  # tokens a first round's pre-draft feeds at most (0: no limit)
+        self.max_feed = max_feed  # tokens a pre-draft's own call feeds at most, the rest in chunks (0: no limit)
 
     # ----------------------------------------------------------------- starting
     def start(self, gen: Generation, draft_tokens: list[int], gamma: int, remaining: int,
@@ -81,7 +82,10 @@ class PreDrafter:
         the main pre-draft when the round is likely to be accepted in full with the bonus
         guessed right, forks (`_likely_forks`) on the likely rejections; otherwise it is
         draft work thrown away, which also slows the verification it runs beside on
-        shared cores.
+        shared cores. A call's first round that the draft replica did not draft
+        (--first-round target: the target's prefill alone, or a prompt lookup) pre-drafts
+        the second: beside the target's prefill the draft prefills the prompt (in chunks,
+        `_feed_chunks`, where it is long) and guesses the first token.
 
         Not for a seeded sampled session: the γ of a round drafted ahead is chosen a round
         earlier, before the verdict it follows is known, so whether a pre-draft is made and
@@ -92,7 +96,7 @@ class PreDrafter:
         policy = gen.policy
         drafted = gamma > 0 and not gen.looked_up  # by the draft replica
         if not (self.enabled and policy.fixed is None and not policy.deterministic
-                and (drafted or self._after_prefill(gen, gamma, m))
+                and (drafted or gen.prefill_round)
                 and gen.handle.draft_replica and gen.speculating and self.waits.ready(gen)):
             return None
         main, forks = self.wanted(gen, gamma)
@@ -106,6 +110,7 @@ class PreDrafter:
         line = gen.handle.cursor.draft_len if not drafted else m + gamma - 1 if gen.line is None else gen.line
         seq = gen.handle.committed + draft_tokens
         ahead.fed, ahead.first = m + gamma, not drafted
+        ahead.calls = 1 + rounds.chunk_calls(m + gamma - line, self.max_feed)
         g2 = rounds.plan_gamma(want, remaining - gamma - 1, m + gamma + 1, self.max_len) if main else 0
         if g2 > 0:
             ahead.main = asyncio.create_task(self._predraft(gen, line, seq[line:], g2 + 1))
@@ -121,20 +126,10 @@ class PreDrafter:
                 metrics.OVERLAP.labels("fork").inc()
         return ahead if ahead.tasks() else None
 
-    def _after_prefill(self, gen: Generation, gamma: int, m: int) -> bool:
-        """Whether a call's first round that the draft replica does not draft (--first-round
-        target: the target's prefill alone, or a prompt lookup) pre-drafts the second: the
-        draft prefills the prompt and guesses the first token beside the target's prefill,
-        so the second round finds its draft made, as after any round. Not where the prompt
-        is long enough to go in chunks (`Generator._feed_in_chunks`), which keep each of the
-        draft's batched forwards short for the other sessions in it."""
-        lacking = m + gamma - gen.handle.cursor.draft_len
-        return gen.prefill_round and (not self.max_feed or lacking <= self.max_feed)
-
     def wanted(self, gen: Generation, gamma: int) -> tuple[bool, list[int]]:
         """→ (whether to pre-draft the main line, the forks' kept lengths)."""
         policy = gen.policy
-        if gen.looked_up:  # a first round's lookup (`_after_prefill`) is kept at the lookup's rate
+        if gen.looked_up:  # a first round's lookup (--first-round target) is kept at the lookup's rate
             hit = gen.lookup.rate ** gamma * policy.guess_rate
         else:
             hit = policy.predraft_hit(gamma)
@@ -167,20 +162,39 @@ class PreDrafter:
 
     async def _predraft(self, gen: Generation, start: int, feed: list[int], num_tokens: int,
                         fork: bool = False) -> replica_pb2.ProposeResponse | None:
-        """One pre-draft call (`fork` False: the main one). One attempt; any failure just
-        means no pre-draft."""
+        """One pre-draft call (`fork` False: the main one), after the chunks of a long feed
+        (`_feed_chunks`). One attempt; any failure just means no pre-draft."""
         handle = gen.handle
-        request = replica_pb2.ProposeRequest(
-            cache=ref_to_pb(CacheRef(handle.session_id, handle.epoch, start, feed)),
-            num_tokens=num_tokens, sampling=gen.params_pb, guess_bonus=not fork, stop_below=gen.stop_below,
-            runner_ups=self.forks_wanted(gen), fork=fork)
         try:
+            if not fork:
+                start, feed = await self._feed_chunks(gen, start, feed)
+            request = replica_pb2.ProposeRequest(
+                cache=ref_to_pb(CacheRef(handle.session_id, handle.epoch, start, feed)),
+                num_tokens=num_tokens, sampling=gen.params_pb, guess_bonus=not fork, stop_below=gen.stop_below,
+                runner_ups=self.forks_wanted(gen), fork=fork)
             resp = await gen.links.propose(handle.draft_replica, request, self.timeout(gen.deadline),
                                            ordered=not fork)
         except (grpc.aio.AioRpcError, DeadlineExceeded):
             return None
         gen.stats.wire_bytes += resp.ByteSize()
         return resp
+
+    async def _feed_chunks(self, gen: Generation, start: int, feed: list[int]) -> tuple[int, list[int]]:
+        """Feed the draft all but the last `max_feed` tokens of a long feed (a first round's
+        prompt), a one-token proposal of `max_feed` tokens each, as `Generator._feed_in_chunks`
+        feeds a replica: each of the draft's batched forwards then holds the other sessions
+        in it for a chunk's share only. → what is left for the pre-draft's own call. Its
+        cursor is not moved: a pre-draft that answers tells the loop what the draft holds
+        (`gen.draft_holds`), and one that does not leaves the next proposal to feed anew."""
+        handle, n = gen.handle, self.max_feed
+        while n and len(feed) > n:
+            request = replica_pb2.ProposeRequest(
+                cache=ref_to_pb(CacheRef(handle.session_id, handle.epoch, start, feed[:n])), num_tokens=1,
+                sampling=gen.params_pb)
+            resp = await gen.links.propose(handle.draft_replica, request, self.timeout(gen.deadline))
+            gen.stats.wire_bytes += resp.ByteSize()
+            start, feed = start + n, feed[n:]
+        return start, feed
 
     # ----------------------------------------------------------------- taking
     async def take(self, gen: Generation, ahead: Ahead, verdict, gamma: int) -> NextDraft | None:
@@ -238,7 +252,7 @@ class PreDrafter:
         the next proposal need not feed it again (`gen.draft_holds`), which after a first
         round the draft did not draft is the whole prompt."""
         greedy, task = gen.policy.greedy, ahead.main
-        spec = await self.waits.in_time(gen, task)
+        spec = await self.waits.in_time(gen, task, ahead.calls)
         if gen.late is task:
             return None
         if spec is not None:

@@ -52,6 +52,12 @@ def plan_gamma(gamma: int, remaining: int, committed_len: int, max_len: int) -> 
     return max(0, min(gamma, remaining - 1, max_len - committed_len - 1))
 
 
+def chunk_calls(lacking: int, chunk: int) -> int:
+    """The calls of their own that feeding `lacking` tokens `chunk` at a time makes before
+    the last call, which feeds the rest with its own work (0 where `chunk` is 0: no limit)."""
+    return (lacking - 1) // chunk if chunk and lacking > 0 else 0
+
+
 def draft_ref(session_id: str, epoch: int, committed: list[int], cur: Cursor) -> CacheRef:
     return CacheRef(session_id, epoch, cur.draft_len, committed[cur.draft_len:])
 

@@ -67,7 +67,7 @@ def test_the_first_token_comes_alone_and_the_answer_is_the_targets(local_stack, 
 def test_the_draft_drafts_the_second_round_beside_the_first(first_round_target, metrics_port, target_model,
                                                             tokenizer, heldout_prompts):
     """While the target prefills the prompt, the draft prefills it too, guesses the first
-    token and drafts the second round on it (PreDrafter._after_prefill), used where the
+    token and drafts the second round on it (PreDrafter.start), used where the
     guess was the target's token; greedy output stays the target's either way."""
     from localstack.stack import scrape_metrics
 
@@ -86,6 +86,27 @@ def test_the_draft_drafts_the_second_round_beside_the_first(first_round_target, 
     # (CI saw 5 of 6 on a slow spell)
     assert counted("first") >= 4, "the first rounds did not pre-draft the second"
     assert counted("first_hit") > 0, "no first round's pre-draft was used"
+
+
+def test_a_long_prompts_first_round_pre_drafts_in_chunks(first_round_target, metrics_port, target_model,
+                                                          tokenizer, heldout_prompts):
+    """A prompt longer than --prefill-chunk (256): beside the target's chunked prefill the
+    draft is fed the prompt in chunks too (PreDrafter._feed_chunks) and drafts the second
+    round; the answer is the target's greedy answer."""
+    from localstack.stack import scrape_metrics
+
+    before = scrape_metrics(metrics_port)
+    for i in range(4):
+        prompt = "\n".join(heldout_prompts[i : i + 10])  # 384-438 tokens
+        ids = tokenizer(prompt)["input_ids"]
+        assert len(ids) > 256
+        got = first_round_target.Generate(request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False), timeout=120)
+        assert list(got.token_ids) == target_greedy(target_model, ids, NEW_TOKENS, tokenizer.eos_token_id)
+    after = scrape_metrics(metrics_port)
+    first, hits = (after.get(f'specdec_overlap_total{{outcome="{o}"}}', 0)
+                   - before.get(f'specdec_overlap_total{{outcome="{o}"}}', 0) for o in ("first", "first_hit"))
+    assert first >= 2, "long prompts' first rounds did not pre-draft the second"
+    assert hits > 0, "no long prompt's pre-draft was used"
 
 
 def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_round_target, target_model,

@@ -54,18 +54,14 @@ def first_round(draft_len: int = 0) -> Generation:
     return gen
 
 
-def test_a_first_round_the_draft_did_not_draft_pre_drafts_the_second_unless_the_prompt_goes_in_chunks():
-    """Beside the target's prefill the draft prefills the prompt and guesses the first token;
-    a prompt long enough for chunked feeding (max_feed) is left to the chunks."""
-    drafter = PreDrafter(CostModel(), DraftWaits(0.25), lambda deadline: 30.0, max_len=2048, calls="frames",
-                         max_feed=8)
-    assert not drafter._after_prefill(first_round(), gamma=0, m=12)  # 12 tokens to feed, more than 8
-    assert drafter._after_prefill(first_round(draft_len=4), gamma=0, m=12)  # 8: a prefix cached
-    assert drafter._after_prefill(first_round(draft_len=6), gamma=2, m=12)  # a lookup's 2 as well
-    later = first_round(draft_len=4)
-    later.prefill_round = False  # any other round pre-drafts only after the draft replica drafted
-    assert not drafter._after_prefill(later, gamma=0, m=12)
-    assert predrafter(CostModel())._after_prefill(first_round(), gamma=0, m=12)  # max_feed 0: no limit
+def test_a_long_feed_goes_in_chunks_of_its_own_before_the_last_call():
+    """`rounds.chunk_calls`: the calls a feed of `lacking` tokens makes before its last one,
+    which carries the rest with its own work (a first round's pre-draft, a proposal, a
+    verification)."""
+    from specdec.rounds import chunk_calls
+
+    assert [chunk_calls(n, 8) for n in (0, 1, 8, 9, 16, 17, 25)] == [0, 0, 0, 1, 1, 2, 3]
+    assert chunk_calls(10_000, 0) == 0  # 0: no limit
 
 
 def test_a_first_rounds_lookup_is_priced_at_the_lookups_rate():
