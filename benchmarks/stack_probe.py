@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_workload_args(ap: argparse.ArgumentParser, warm_up: float) -> None:
     """The workload and model options the stack probes share."""
+    ap.add_argument("--target-args", default="", help="extra flags for the target replica, e.g. "
+                    "'--batch-wait-ms 0'")
+    ap.add_argument("--draft-args", default="", help="extra flags for the draft replica")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
     ap.add_argument("--per-stream", type=int, default=3,
                     help="requests per stream; every prompt runs at least once (default 3, as make bench)")
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start_redis()
         pids = {}
         for pool, port in ports.items():
-            pids[pool] = stack.start_replica(pool, wait=False, extra=["--metrics-port", str(port)]).proc.pid
+            own = shlex.split(args.target_args if pool == "target" else args.draft_args)
+            pids[pool] = stack.start_replica(pool, wait=False, extra=["--metrics-port", str(port), *own]).proc.pid
         orchestrator_port = free_port()
         pids["orchestrator"] = stack.start_orchestrator(
             wait=False, extra=["--metrics-port", str(orchestrator_port), *shlex.split(args.orchestrator_args)]).proc.pid

@@ -6,10 +6,12 @@ calls that arrive while a batch runs form the next batch. The model runs off the
 loop, so the gRPC server keeps answering health checks and new calls meanwhile.
 
 Under load, sessions drift apart: each batch holds whoever happened to be back from its
-other calls, and a forward over few sessions costs nearly as much as one over many (a
-step streams every weight whatever the batch). So when the last batches served more
-sessions than are queued now, the worker holds the batch briefly (at most `gather` of
-the recent batch time, and `max_wait_ms`) and starts as soon as they are all in. It
+other calls, and a forward over few rows costs nearly as much as one over many (a step
+streams every weight whatever the batch). So when the last batches served more sessions
+than are queued now, the worker holds the batch briefly (at most `gather` of the recent
+batch time, and `max_wait_ms`) and starts as soon as they are all in, or as soon as the
+calls queued feed `full_tokens` rows, past which a forward's cost grows with its rows
+(on a CPU: `--batch-full-tokens`). It
 keeps waiting while new calls keep coming (no `quiet_ms` without one: calls that piled
 up in the transport while an inline batch held the event loop), or while a missing
 session is *due back* before the hold ends, judged by how long it usually stays away
@@ -29,6 +31,21 @@ from typing import Callable, Generic, Hashable, TypeVar
 
 from specdec.task_end import end_task
 
+# the rows past which a forward on a CPU costs about in proportion to them (`make bench`'s
+# step costs, 2026-12-06 18:56 UTC: the bundled target's verification of 5 rows 1.61 ms, of
+# 20 rows 5.01, of 80 rows 21.26), so a batch feeding this many is not held for company;
+# by turns (benchmarks/HISTORY.md, "Holding batches") 12 made the most of 12 / 24 / 48 / none
+CPU_FULL_TOKENS = 12
+
+
+def full_tokens(flag: int, device_type: str) -> int:
+    """--batch-full-tokens for a device: -1 picks CPU_FULL_TOKENS on a CPU and no limit on a
+    GPU, whose forwards read every weight whatever their rows up to far larger batches."""
+    if flag >= 0:
+        return flag
+    return CPU_FULL_TOKENS if device_type == "cpu" else 0
+
+
 Job = TypeVar("Job")
 Result = TypeVar("Result")
 
@@ -37,7 +54,7 @@ class MicroBatcher(Generic[Job, Result]):
     def __init__(self, run_batch: Callable[[list[Job]], list[Result]], max_batch: int = 64,
                  on_batch: Callable[[int, float, float], None] | None = None, key: Callable[[Job], Hashable] | None = None,
                  max_wait_ms: float = 0.0, gather: float = 0.5, size: Callable[[Job], int] | None = None,
-                 inline_up_to: int = 0, quiet_ms: float = 0.5) -> None:
+                 inline_up_to: int = 0, quiet_ms: float = 0.5, full_tokens: int = 0) -> None:
         self.run_batch = run_batch
         self.max_batch = max_batch
         self.on_batch = on_batch  # (sessions, engine seconds, seconds held for company)
@@ -46,6 +63,7 @@ class MicroBatcher(Generic[Job, Result]):
         self.gather = gather
         self.size = size  # tokens a job feeds
         self.inline_up_to = inline_up_to  # batches feeding at most this many tokens run on the loop
+        self.full_tokens = full_tokens  # a queue feeding this many tokens is not held (0: no such limit)
         self._recent: deque[frozenset] = deque(maxlen=2)  # sessions of the last batches
         self.quiet = quiet_ms / 1000
         self._left: dict[Hashable, float] = {}  # when each recent session's last result went out
@@ -109,7 +127,7 @@ class MicroBatcher(Generic[Job, Result]):
         expected = self._expected()
         want = min(len(expected), self.max_batch)
         queued = {self.key(job) for job, _ in self._queue}
-        if len(queued) >= want:
+        if len(queued) >= want or self._full():
             return 0.0
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -126,7 +144,17 @@ class MicroBatcher(Generic[Job, Result]):
                 if not self._due(expected, loop.time(), deadline) - queued:
                     break
             queued = {self.key(job) for job, _ in self._queue}
+            if self._full():
+                break
         return loop.time() - start
+
+    def _full(self) -> bool:
+        """Whether the calls queued already feed `full_tokens`: past about that many rows
+        a forward's cost grows with its rows (its products bound by their arithmetic, not
+        by reading the weights), so company saves little, and a batch started now lets the
+        sessions still away form the next one while this one's answers are handled."""
+        return bool(self.full_tokens and self.size is not None
+                    and sum(self.size(job) for job, _ in self._queue) >= self.full_tokens)
 
     def _inline(self, jobs: list[Job]) -> bool:
         """A small batch runs on the event loop's own thread. In a worker thread its few

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from contextlib import contextmanager
 from pathlib import Path
 
+from specdec.batcher import CPU_FULL_TOKENS
 from specdec.event_loop import CHOICES as EVENT_LOOPS
 
 
@@ -28,6 +29,9 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
     idle = getattr(args, "session_idle_seconds", 0)
     if not 0 <= idle < float("inf"):
         ap.error(f"--session-idle-seconds must be a finite number of seconds, 0 (never) or more, got {idle}")
+    if getattr(args, "batch_full_tokens", -1) < -1:
+        ap.error(f"--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device), "
+                 f"got {args.batch_full_tokens}")
     for action in ap._actions:  # argparse keeps no public list of a parser's flags
         value = getattr(args, action.dest, None)
         if action.choices is None or value is None or value in action.choices or value != action.default:
@@ -126,6 +130,11 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                     help="under load, hold a batch up to this long (and half the recent batch time) for "
                          "sessions of the last batches that are due back; 0 = never hold; a lone session "
                          "never waits [SPECDEC_BATCH_WAIT_MS]")
+    ap.add_argument("--batch-full-tokens", type=int, default=int(env("BATCH_FULL_TOKENS", -1)),
+                    help="a batch whose calls already feed this many tokens is not held for company: past "
+                         "about that many rows a forward's cost grows with its rows, so company saves little; "
+                         f"0 = no such limit; -1 (default) = {CPU_FULL_TOKENS} on a CPU, no limit on a GPU "
+                         "[SPECDEC_BATCH_FULL_TOKENS]")
     ap.add_argument("--inline-tokens", type=int, default=int(env("INLINE_TOKENS", 256)),
                     help="batches feeding at most this many tokens run on the server's event loop "
                          "thread instead of a worker thread (default 256); 0 = always a worker [SPECDEC_INLINE_TOKENS]")

@@ -11,7 +11,7 @@ import time
 import torch
 
 from specdec import event_loop, metrics
-from specdec.batcher import MicroBatcher
+from specdec.batcher import MicroBatcher, full_tokens
 from specdec.config import redis_client, refusing_to_start, setup_logging
 from specdec.errors import SpecDecError
 from specdec.frame_server import FrameServer, MuxMethod
@@ -61,7 +61,8 @@ class ReplicaHost:
         self._reuses_seen = (0, 0)
         self.batcher = MicroBatcher(run_batch, max_batch=args.max_batch, on_batch=self._on_batch,
                                     key=lambda job: job.ref.session_id, max_wait_ms=args.batch_wait_ms,
-                                    size=lambda job: job.forward_size, inline_up_to=args.inline_tokens)
+                                    size=lambda job: job.forward_size, inline_up_to=args.inline_tokens,
+                                    full_tokens=full_tokens(args.batch_full_tokens, engine.runner.device.type))
         self.shell = ServerShell([service_name])
         self.redis = redis_client(args.redis_url, args.redis_password_file)
         self.heartbeat = Heartbeat(Registry(self.redis), self.info)

@@ -57,3 +57,10 @@ def test_a_bad_idle_limit_is_a_usage_error(capsys, value):
         main(["--session-idle-seconds", value])
     assert exit_.value.code == 2
     assert "--session-idle-seconds must be a finite number of seconds, 0 (never) or more" in capsys.readouterr().err
+
+
+def test_a_negative_full_batch_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--batch-full-tokens", "-2"])
+    assert exit_.value.code == 2
+    assert "--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device)" in capsys.readouterr().err

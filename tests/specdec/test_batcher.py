@@ -66,6 +66,36 @@ def test_a_loaded_batch_waits_for_the_sessions_of_the_last_batch():
     assert run(main()) == [["a0", "b0"], ["a1", "b1"]]
 
 
+def test_a_batch_already_feeding_full_tokens_is_not_held():
+    """Past `full_tokens` rows a forward costs about in proportion to its rows (a CPU's
+    products): a1 feeding 5 tokens runs at once with a limit of 4, and is held for b under
+    no limit, as above."""
+    async def main(full: int):
+        rec = Recorder(0.05)
+        batcher = MicroBatcher(rec, key=session, max_wait_ms=60_000, gather=1e6, size=lambda job: 5,
+                               full_tokens=full)
+        batcher.start()
+        await asyncio.gather(batcher.submit("a0"), batcher.submit("b0"))
+        first = asyncio.ensure_future(batcher.submit("a1"))
+        await asyncio.sleep(0.3)
+        held = not first.done()
+        await asyncio.wait_for(asyncio.gather(first, batcher.submit("b1")), 5)
+        await batcher.stop()
+        return held, rec.batches
+
+    assert run(main(4)) == (False, [["a0", "b0"], ["a1"], ["b1"]])
+    assert run(main(0)) == (True, [["a0", "b0"], ["a1", "b1"]])
+    assert run(main(11)) == (True, [["a0", "b0"], ["a1", "b1"]])  # 5 tokens: not full yet
+
+
+def test_the_full_tokens_default_is_for_a_cpu_only():
+    from specdec.batcher import CPU_FULL_TOKENS, full_tokens
+
+    assert full_tokens(-1, "cpu") == CPU_FULL_TOKENS > 0
+    assert full_tokens(-1, "cuda") == 0  # a GPU's forwards read every weight up to far larger batches
+    assert full_tokens(0, "cpu") == 0 and full_tokens(40, "cuda") == 40
+
+
 def test_the_hold_is_bounded():
     async def main():
         rec = Recorder(0.02)
