@@ -39,8 +39,9 @@ CPU_FULL_TOKENS = 12
 
 
 def full_tokens(flag: int, device_type: str) -> int:
-    """--batch-full-tokens for a device: -1 picks CPU_FULL_TOKENS on a CPU and no limit on a
-    GPU, whose forwards read every weight whatever their rows up to far larger batches."""
+    """--batch-full-tokens for a device: -1 (the target pool's default) picks CPU_FULL_TOKENS
+    on a CPU and no limit on a GPU, whose forwards read every weight whatever their rows up
+    to far larger batches."""
     if flag >= 0:
         return flag
     return CPU_FULL_TOKENS if device_type == "cpu" else 0

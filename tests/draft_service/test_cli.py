@@ -64,3 +64,18 @@ def test_a_negative_full_batch_is_a_usage_error(capsys):
         main(["--batch-full-tokens", "-2"])
     assert exit_.value.code == 2
     assert "--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device)" in capsys.readouterr().err
+
+
+def test_only_the_target_pool_stops_holding_full_batches_by_default():
+    """A draft step has a row per session, whose cost grows far slower with them than the
+    target's rows: its pool holds batches for company as before unless told otherwise."""
+    import argparse
+
+    from specdec.config import add_replica_args
+
+    defaults = {}
+    for pool in ("draft", "target"):
+        ap = argparse.ArgumentParser()
+        add_replica_args(ap, pool, "model")
+        defaults[pool] = ap.parse_args([]).batch_full_tokens
+    assert defaults == {"draft": 0, "target": -1}
