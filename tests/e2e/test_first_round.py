@@ -68,30 +68,41 @@ def test_the_first_token_comes_alone_and_the_answer_is_the_targets(local_stack, 
         assert len(sampled[0].token_ids) == 1
 
 
+def greedy_until_pre_drafted(stub, metrics_port: int, prompts, pre_drafted: int, target_model,
+                             tokenizer) -> tuple[float, float]:
+    """Greedy calls, each checked against the target's own greedy answer, until `pre_drafted`
+    first rounds pre-drafted the second and one such pre-draft was used, or the prompts run
+    out: a session whose policy prices speculation out at that moment drafts nothing (CI
+    saw 5 of 6 on a slow spell, and 2 of the first 6 calls of a fresh orchestrator after
+    the whole suite). → the first rounds' pre-drafts and those used, by the metrics."""
+    from localstack.stack import scrape_metrics
+
+    before = scrape_metrics(metrics_port)
+
+    def counted() -> tuple[float, float]:
+        after = scrape_metrics(metrics_port)
+        return tuple(after.get(f'specdec_overlap_total{{outcome="{o}"}}', 0)
+                     - before.get(f'specdec_overlap_total{{outcome="{o}"}}', 0) for o in ("first", "first_hit"))
+
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        got = stub.Generate(request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False), timeout=120)
+        assert list(got.token_ids) == target_greedy(target_model, ids, NEW_TOKENS, tokenizer.eos_token_id)
+        first, hits = counted()
+        if first >= pre_drafted and hits > 0:
+            break
+    return first, hits
+
+
 def test_the_draft_drafts_the_second_round_beside_the_first(first_round_target, metrics_port, target_model,
                                                             tokenizer, heldout_prompts):
     """While the target prefills the prompt, the draft prefills it too, guesses the first
     token and drafts the second round on it (PreDrafter.start), used where the
     guess was the target's token; greedy output stays the target's either way."""
-    from localstack.stack import scrape_metrics
-
-    before = scrape_metrics(metrics_port)
-
-    def counted(outcome: str) -> float:
-        key = f'specdec_overlap_total{{outcome="{outcome}"}}'
-        return scrape_metrics(metrics_port).get(key, 0) - before.get(key, 0)
-
-    # prompts until four first rounds pre-drafted and one was used: a session whose policy
-    # prices speculation out at that moment drafts nothing (CI saw 5 of 6 on a slow spell,
-    # and 2 of the first 6 calls of a fresh orchestrator after the whole suite)
-    for prompt in heldout_prompts[4:20]:
-        ids = tokenizer(prompt)["input_ids"]
-        got = first_round_target.Generate(request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False), timeout=120)
-        assert list(got.token_ids) == target_greedy(target_model, ids, NEW_TOKENS, tokenizer.eos_token_id)
-        if counted("first") >= 4 and counted("first_hit") > 0:
-            break
-    assert counted("first") >= 4, "the first rounds did not pre-draft the second"
-    assert counted("first_hit") > 0, "no first round's pre-draft was used"
+    first, hits = greedy_until_pre_drafted(first_round_target, metrics_port, heldout_prompts[4:20], 4,
+                                           target_model, tokenizer)
+    assert first >= 4, "the first rounds did not pre-draft the second"
+    assert hits > 0, "no first round's pre-draft was used"
 
 
 def test_a_long_prompts_first_round_pre_drafts_in_chunks(first_round_target, metrics_port, target_model,
@@ -99,24 +110,11 @@ def test_a_long_prompts_first_round_pre_drafts_in_chunks(first_round_target, met
     """A prompt longer than --prefill-chunk (256): beside the target's chunked prefill the
     draft is fed the prompt in chunks too (PreDrafter._feed_chunks) and drafts the second
     round; the answer is the target's greedy answer."""
-    from localstack.stack import scrape_metrics
-
-    before = scrape_metrics(metrics_port)
-
-    def counted(outcome: str) -> float:
-        key = f'specdec_overlap_total{{outcome="{outcome}"}}'
-        return scrape_metrics(metrics_port).get(key, 0) - before.get(key, 0)
-
-    for i in range(10):  # until two pre-drafted and one used (as above: not every session drafts)
-        prompt = "\n".join(heldout_prompts[i : i + 10])  # 276-438 tokens
-        ids = tokenizer(prompt)["input_ids"]
-        assert len(ids) > 256
-        got = first_round_target.Generate(request(prompt, NEW_TOKENS, 0.0, prompt_lookup=False), timeout=120)
-        assert list(got.token_ids) == target_greedy(target_model, ids, NEW_TOKENS, tokenizer.eos_token_id)
-        if counted("first") >= 2 and counted("first_hit") > 0:
-            break
-    assert counted("first") >= 2, "long prompts' first rounds did not pre-draft the second"
-    assert counted("first_hit") > 0, "no long prompt's pre-draft was used"
+    prompts = ["\n".join(heldout_prompts[i : i + 10]) for i in range(10)]  # 276-438 tokens
+    assert min(len(tokenizer(p)["input_ids"]) for p in prompts) > 256
+    first, hits = greedy_until_pre_drafted(first_round_target, metrics_port, prompts, 2, target_model, tokenizer)
+    assert first >= 2, "long prompts' first rounds did not pre-draft the second"
+    assert hits > 0, "no long prompt's pre-draft was used"
 
 
 def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_round_target, target_model,
