@@ -65,7 +65,7 @@ class Case:
         self.gqa = kv_heads != heads
 
     def alone(self) -> torch.Tensor:
-        outs, H, KV, n = [], self.H, self.KV, self.n
+        outs, KV, n = [], self.KV, self.n
         for b, (s, mask) in enumerate(zip(self.starts, self.masks)):
             self.pool[b, :, s : s + n] = self.kv[:, b * n : (b + 1) * n]
             keys, values = self.pool[b, :KV, : s + n], self.pool[b, KV:, : s + n]

@@ -57,7 +57,11 @@ curve chose γ 3.0-4.3 against 2.7-3.0 at t = 1 and 4 streams and was 4.7, 7.7 a
 faster there; at 16 streams it was 3.3, 6.7 and 0.5 % slower at t = 1 (the draft's work
 shares the two cores with the target on this machine) and 3.9 % slower and 0.2 % faster
 greedy.
-A session at γ = 0 probes with a short draft now and then so its α stays current.
+At γ = 0 one choice in `ZERO_PROBE_EVERY` probes with a short draft so that α and the
+draft's costs stay current: counted over all sessions of the sampling kind, not per session,
+or a workload of short answers (a few rounds each) would never probe, and once priced out
+would stay so whatever the load did next (a test's 3-token calls under four callers:
+7 used pre-drafts in 9,600 calls, 2026-12-07).
 
 A session's own α rests on a few dozen draft tokens, so it is noisy (about ±0.09 after
 ten rounds at α 0.7), and where speculation pays only a little — temperature 1 on this
@@ -112,6 +116,7 @@ POOL_WEIGHT = 8.0  # draft tokens' worth of weight the process-wide α has in a 
 POOL_AFTER = 20  # rounds of a sampling kind before its process-wide α is used
 PREDRAFT_USE_AFTER = 8  # loaded pre-drafts of a kind before their use rate can stop them
 PREDRAFT_PROBE_EVERY = 8  # while stopped, every 8th chance still pre-drafts, to keep the rate current
+ZERO_PROBE_EVERY = 16  # while priced out, every 16th choice of γ = 0 drafts γ = 2 instead
 # calls observed after which the round times a choice reads are recomputed: pricing every γ
 # took 100 µs a choice under load, for costs whose decayed means move by a few percent in
 # that many calls
@@ -235,6 +240,7 @@ class CostModel:
     round_overhead: Ema = field(default_factory=Ema)  # ms of a round outside its calls, while alone
     predraft_use: dict[bool, Ema] = field(default_factory=dict)  # under load: share of pre-drafts used, by greedy
     predraft_skipped: dict[bool, int] = field(default_factory=dict)
+    zero_choices: dict[bool, int] = field(default_factory=dict)  # γ = 0 choices, by greedy (`zero_probe`)
     observed: int = 0  # draft and verify calls observed
     # "round" or "verify" → (its ms by γ, `observed` when computed, `alone` then)
     _tables: dict[str, tuple[list[float], int, bool]] = field(default_factory=dict)
@@ -277,6 +283,12 @@ class CostModel:
             return True
         self.predraft_skipped[greedy] = self.predraft_skipped.get(greedy, 0) + 1
         return self.predraft_skipped[greedy] % PREDRAFT_PROBE_EVERY == 0
+
+    def zero_probe(self, greedy: bool) -> bool:
+        """A choice of γ = 0 by an unseeded session: whether it probes instead, every
+        `ZERO_PROBE_EVERY`th over the process's sessions of its kind."""
+        self.zero_choices[greedy] = self.zero_choices.get(greedy, 0) + 1
+        return self.zero_choices[greedy] % ZERO_PROBE_EVERY == 0
 
     def pool_alpha(self, greedy: bool) -> float | None:
         accepted, tried = self.pool_accepted.get(greedy), self.pool_tried.get(greedy)
@@ -556,8 +568,9 @@ class SessionPolicy:
             self.probing = True
             return self._explore(best)
         if best == 0:
-            self.rounds_at_zero += 1
-            if self.rounds_at_zero % 16 == 0:
+            self.rounds_at_zero += 1  # a seeded session counts its own: its tokens must reproduce
+            due = self.rounds_at_zero % ZERO_PROBE_EVERY == 0 if self.deterministic else costs.zero_probe(self.greedy)
+            if due:
                 self.probing = True
                 return 2  # probe: keep α current so speculation can come back
         else:

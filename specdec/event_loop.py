@@ -12,6 +12,7 @@ either loop.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from typing import Any, Coroutine, TypeVar
 
 T = TypeVar("T")
@@ -26,11 +27,9 @@ def resolve(choice: str) -> str:
         raise ValueError(f"the event loop must be one of {', '.join(CHOICES)}, not {choice!r}")
     if choice == "asyncio":
         return "asyncio"
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("uvloop") is None:
         if choice == "uvloop":
-            raise ValueError("--event-loop uvloop, but uvloop is not installed (pip install uvloop)") from None
+            raise ValueError("--event-loop uvloop, but uvloop is not installed (pip install uvloop)")
         return "asyncio"
     return "uvloop"
 

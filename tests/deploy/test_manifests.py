@@ -519,8 +519,11 @@ def test_services_read_the_redis_password_from_the_same_secret(rendered):
 def _exported_metric_names() -> set[str]:
     """Every sample name the processes can export (specdec/metrics.py and the γ policy's
     table gauge), as PromQL sees them."""
-    import specdec.metrics  # noqa: F401  (registers the collectors)
+    import importlib
+
     from prometheus_client import REGISTRY
+
+    importlib.import_module("specdec.metrics")  # registers the collectors
 
     names = set()
     for family in REGISTRY.collect():

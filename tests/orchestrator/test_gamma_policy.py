@@ -435,6 +435,25 @@ def test_a_probe_of_the_draft_says_so_so_that_no_lookup_takes_its_place():
     assert "probing" not in policy.snapshot()  # not state a retry restores
 
 
+def test_short_sessions_priced_out_still_probe_one_choice_in_16_over_the_process():
+    """Sessions of two rounds each never reach a 16th choice of their own: counted per
+    session they never probed, and a kind once priced out stayed so. Over the process's
+    sessions of a kind one zero choice in 16 probes; the other kind and a seeded session
+    count their own."""
+    from orchestrator.gamma_policy import ZERO_PROBE_EVERY
+
+    costs = CostModel()
+    _observe(costs, [4] * 50, net=2.0, draft_step=3.0, target_step=30.0, batch=32)
+    picks = [p for _ in range(48) for p in (lambda s: [s.choose(costs), s.choose(costs)])(_policy(0.15))]
+    assert picks.count(2) == 96 // ZERO_PROBE_EVERY and picks.count(0) == 96 - 96 // ZERO_PROBE_EVERY
+    assert picks[ZERO_PROBE_EVERY - 1] == 2  # the 16th choice, the first of the eighth session
+    sampled = SessionPolicy(accepted=150.0, trials=1000.0, greedy=False)
+    assert [sampled.choose(costs) for _ in range(ZERO_PROBE_EVERY - 1)] == [0] * (ZERO_PROBE_EVERY - 1)
+    seeded = [SessionPolicy(accepted=0.0, trials=3.0, deterministic=True) for _ in range(2)]
+    for policy in seeded:  # the reference costs price a session of α 0 out: probes at 16, 32
+        assert [policy.choose(costs) for _ in range(32)].count(2) == 2
+
+
 def test_a_session_alone_measures_plain_rounds_and_decodes_plainly_where_they_pay():
     """The linear model prices γ = 0 from the drafting rounds' forwards; where a forward of
     several tokens costs far more than its slope says (a kernel's jump past one row), it

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import native, sampling
-from specdec.wire import decode, drop_first_rows, encode, quantize
+from specdec.wire import EncodedDistributions, decode, drop_first_rows, encode, quantize
 
 
 def _rows(gamma: int, vocab: int, keep: int | None, seed: int = 0) -> torch.Tensor:
@@ -57,10 +57,8 @@ def test_the_protobuf_message_carries_the_encoding_exactly():
         assert torch.equal(decode(from_pb(wire), 3), _normalised(q16))
 
 
-def _dense(rows: list[list[float]]) -> "EncodedDistributions":
+def _dense(rows: list[list[float]]) -> EncodedDistributions:
     import numpy as np
-
-    from specdec.wire import EncodedDistributions
 
     a = np.array(rows, dtype=np.float16)
     return EncodedDistributions(vocab_size=a.shape[1], sparse=False, dense_fp16=a.tobytes())
