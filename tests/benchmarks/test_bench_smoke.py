@@ -256,3 +256,25 @@ def test_prefix_probe_times_a_first_round_with_and_without_reuse(capsys):
     assert set(rows) == {"prefix reuse off", "prefix reuse on"}
     with pytest.raises(SystemExit, match="at least 16"):
         prefix_probe.main(["--prefix", "8"])
+
+
+def test_short_calls_probe_prints_a_line_per_batch(capsys):
+    import ast
+
+    from benchmarks import short_calls_probe
+
+    short_calls_probe.main(["--callers", "2,1", "--calls", "6", "--tokens", "4"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("batch")]
+    assert [ln.split(":")[0] for ln in lines] == ["batch 0", "batch 1"]
+    assert "2 callers, 6 calls" in lines[0] and "1 callers, 6 calls" in lines[1]
+    for ln in lines:  # every round of a call counted once, by the γ it chose
+        rounds = ast.literal_eval(ln.split("rounds by γ ")[1])
+        assert sum(rounds.values()) >= 6 * 2 and set(rounds) <= {"0", "1", "2"}
+
+
+def test_short_calls_probe_refuses_bad_callers():
+    from benchmarks import short_calls_probe
+
+    with pytest.raises(SystemExit) as exc:
+        short_calls_probe.parse_args(["--callers", "4,x"])
+    assert exc.value.code == 2

@@ -131,10 +131,13 @@ def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_
     prompt = "def main("
     ids = tokenizer(prompt)["input_ids"]
 
-    def call(_):  # three asked: the second round then drafts (a round drafts at most what is left);
-        # ignore_eos: an end of sequence is a draw like any other token, and no answer ends
-        # before its second token (one of some thousands did)
-        got = first_round_target.Generate(request(prompt, 3, 1.0, ignore_eos=True), timeout=120)
+    def call(_):  # four asked: the second round drafts up to two (a round drafts at most what
+        # is left but one), and no later round can be pre-drafted (nothing would be left to
+        # draft), so a used pre-draft (overlap_hits) is the second round's. Three asked made
+        # a draft of one token, which the policy prices out under load for whole batches
+        # (`python -m benchmarks.short_calls_probe`); ignore_eos: an end of sequence is a draw
+        # like any other token, and no answer ends before its second (one did)
+        got = first_round_target.Generate(request(prompt, 4, 1.0, ignore_eos=True), timeout=120)
         return got.token_ids[0], got.token_ids[1], got.stats.overlap_hits > 0
 
     def top_pre_drafted(calls: list) -> int:  # pre-drafts used after the commonest first token
@@ -142,13 +145,9 @@ def test_sampled_tokens_after_a_pre_drafted_first_round_follow_the_target(first_
         top = max(set(firsts), key=firsts.count)
         return sum(f == top and hit for f, _, hit in calls)
 
-    # four callers: under 16 the verify batches grow until the cost model prices a second
-    # round's draft out (γ = 0, nothing to pre-draft) for whole batches of 600 calls at a
-    # time (locally 14 pre-drafts used after the top token in 9,600 calls); under four every
-    # second round drafted in six batches of 600. Calls in batches until enough second
-    # rounds after the commonest first token were pre-drafted: stopping on first tokens and
-    # pre-draft use alone, both settled before the second token is drawn, does not bias the
-    # tokens tested
+    # calls in batches until enough second rounds after the commonest first token were
+    # pre-drafted: stopping on first tokens and pre-draft use alone, both settled before the
+    # second token is drawn, does not bias the tokens tested
     calls: list = []
     with cf.ThreadPoolExecutor(4) as pool:
         while len(calls) < 9600 and (not calls or top_pre_drafted(calls) < 150):
