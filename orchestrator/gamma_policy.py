@@ -445,7 +445,7 @@ class SessionPolicy:
     trials: float = 4.0
     # per draft position, the decayed chance mass that reached it (Σ = trials; the prior's at 1)
     reached: list[float] | None = None
-    rounds_at_zero: int = 0
+    rounds_at_zero: int = 0  # a seeded session's γ = 0 choices in a row (unseeded: `CostModel.zero_probe`)
     rounds: int = 0
     max_gamma: int = MAX_GAMMA
     deterministic: bool = False  # seeded sampling: ignore measured costs
@@ -568,8 +568,11 @@ class SessionPolicy:
             self.probing = True
             return self._explore(best)
         if best == 0:
-            self.rounds_at_zero += 1  # a seeded session counts its own: its tokens must reproduce
-            due = self.rounds_at_zero % ZERO_PROBE_EVERY == 0 if self.deterministic else costs.zero_probe(self.greedy)
+            if self.deterministic:  # a seeded session counts its own: its tokens must reproduce
+                self.rounds_at_zero += 1
+                due = self.rounds_at_zero % ZERO_PROBE_EVERY == 0
+            else:
+                due = costs.zero_probe(self.greedy)
             if due:
                 self.probing = True
                 return 2  # probe: keep α current so speculation can come back
