@@ -7,9 +7,10 @@ replicas in chunks), two-turn conversations ended with EndSession, and streams t
 cancels after their first chunk.
 
 The report counts requests and errors by status code, gives latency percentiles of whole
-requests and of the first chunk, and each process's resident memory (VmRSS) at the start,
-after the first minute and at the end: after warm-up the memory should stay flat. It also
-checks what must hold however busy the stack is:
+requests and of the first chunk, and each process's resident memory (VmRSS, sampled every
+few seconds): at the start, its peak in the first minute and in the last, at the end, and
+its trend after the first minute (`memory_summary`): after warm-up the memory should stay
+flat. It also checks what must hold however busy the stack is:
 - the same greedy request gives the same tokens every time, whichever γ it ran with (a
   mismatch fails the soak); so does a seeded request that does not reproduce its tokens
   where every replica of the run was batch-invariant (their kernels say so in the
@@ -61,6 +62,8 @@ LONG_PROMPT = "total = add(total, item)  # sum of the values seen so far\n" * 48
 KINDS = ("greedy", "seeded", "stop", "long", "fixed_gamma", "conversation", "cancelled", "target_only")
 SEEDS = 3  # seeded requests reuse this many seeds per prompt, so that each repeats
 WARMUP_SECONDS = 60.0
+MEMORY_SAMPLE_SECONDS = 5.0  # between two readings of each process's resident memory
+TREND_SECONDS = 240.0  # of readings after the warm-up, at least, for a trend (`memory_summary`)
 SETTLE_SECONDS = 15.0  # how long the leftover check waits for releases still on their way
 CHAOS_SIGNALS = {"kill": (signal.SIGKILL,), "term": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
 REDIRECTS = 3  # times a call refused by an orchestrator shutting down is sent to another
@@ -104,6 +107,35 @@ def resident_mib(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+def memory_summary(samples: list[tuple[float, float | None]], warmup: float = WARMUP_SECONDS) -> dict:
+    """One process's resident memory over a soak from its (seconds since the start, MiB)
+    readings (None once it is gone): the first, the peaks of the first and of the last
+    `warmup` seconds, the last, and the least-squares slope in MiB a minute of the readings
+    after the first `warmup` seconds (None over less than `TREND_SECONDS` of them: over a
+    minute or two the swing below moves it by tens of MiB a minute). Why peaks and a
+    slope: a server's resident memory here moves by tens of MiB between readings 15 s apart
+    as the allocator takes and gives back its arenas (a target replica over a 12-minute soak,
+    2026-12-07, read 675-837 MiB by turns, with no trend), so two single readings, after the first minute
+    and at the end, read that swing as growth or shrinkage; a leak is a steady rise, which
+    the slope shows and the swing averages out of."""
+    live = [(t, m) for t, m in samples if m is not None]
+    if not live:
+        return {"start": None, "first_minute_peak": None, "last_minute_peak": None, "end": None,
+                "mib_per_minute": None}
+    end_t = live[-1][0]
+    first = [m for t, m in live if t <= warmup]
+    after = [(t, m) for t, m in live if t > warmup]
+    last = [m for t, m in after if t >= end_t - warmup]
+    slope = None
+    if len(after) >= 3 and after[-1][0] - after[0][0] >= TREND_SECONDS:
+        mt = sum(t for t, _ in after) / len(after)
+        mm = sum(m for _, m in after) / len(after)
+        var = sum((t - mt) ** 2 for t, _ in after)
+        slope = 60.0 * sum((t - mt) * (m - mm) for t, m in after) / var
+    return {"start": samples[0][1], "first_minute_peak": max(first) if first else None,
+            "last_minute_peak": max(last) if last else None, "end": samples[-1][1], "mib_per_minute": slope}
 
 
 def processes(stack) -> dict[str, int]:
@@ -479,11 +511,17 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     `min_stops` servers: a slow machine's restarts take longer, and a short run that a test
     makes must still see its stops."""
     procs = processes(stack)
-    memory = {name: {"start": resident_mib(pid)} for name, pid in procs.items()}
+    readings: dict[str, list[tuple[float, float | None]]] = {name: [] for name in procs}
+
+    def read_memory() -> None:
+        t = time.monotonic() - t_start
+        for name, pid in procs.items():
+            readings[name].append((t, resident_mib(pid)))
     before = await sessions_held(stack)
     tally, issued = Tally(), 0
     t_start = time.monotonic()
     t_end = t_start + seconds
+    read_memory()
     timeout = max(30.0, 2 * seconds)
 
     def going_on() -> bool:
@@ -498,32 +536,30 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
             i, issued = issued, issued + 1  # the clients take the kinds in turn between them
             await one_request(front, i, max_new_tokens, tally, timeout)
 
-    async def sample_after_warmup() -> None:
-        await asyncio.sleep(WARMUP_SECONDS)
-        for name, pid in procs.items():
-            memory[name]["after_first_minute"] = resident_mib(pid)
+    async def sample_memory() -> None:
+        while True:
+            await asyncio.sleep(MEMORY_SAMPLE_SECONDS)
+            read_memory()
 
     front = Front(stack)
     restarts: list[str] = []
+    sampler = asyncio.create_task(sample_memory())
     try:
-        sampler = asyncio.create_task(sample_after_warmup()) if seconds >= WARMUP_SECONDS else None
         kernels = replica_kernels(stack)  # and every replica started in the run
         stop_chaos = asyncio.Event()
         chaos_task = (asyncio.create_task(churn(stack, chaos, CHAOS_SIGNALS[chaos_signal], stop_chaos, restarts,
                                                 kernels, front if chaos_orchestrators else None))
                       if chaos else None)
         await asyncio.gather(*(client(front) for _ in range(streams)))
-        if sampler is not None and not sampler.done():
-            sampler.cancel()
         if chaos_task is not None:
             stop_chaos.set()
             await chaos_task  # a restart under way finishes first
     finally:
+        sampler.cancel()
         await front.close()
     elapsed = time.monotonic() - t_start
-    for name, pid in procs.items():
-        memory[name].setdefault("after_first_minute", None)
-        memory[name]["end"] = resident_mib(pid)
+    read_memory()
+    memory = {name: memory_summary(samples) for name, samples in readings.items()}
     left = await leftovers(stack, before)
 
     report = {
@@ -596,9 +632,11 @@ def format_report(r: dict) -> str:
     for name, key in (("request", "request"), ("first chunk", "first_chunk")):
         p = r["latency_s"][key]
         lines.append(f"{name:<14} {sec(p['p50'])}  {sec(p['p90'])}  {sec(p['p99'])}")
-    lines += ["", "resident memory (MiB)   start   1 min     end   change since 1 min (or start)"]
+    lines += ["", "resident memory (MiB)    start  1st minute's peak  last minute's peak      end  "
+                  "trend after the 1st minute"]
     for name, m in r["memory_mib"].items():
-        base = m["after_first_minute"] if m["after_first_minute"] is not None else m["start"]
-        change = "" if base is None or m["end"] is None else f"{m['end'] - base:+.1f}"
-        lines.append(f"{name:<22} {mib(m['start'])} {mib(m['after_first_minute'])} {mib(m['end'])}   {change}")
+        trend = ("      - (too short a run)" if m["mib_per_minute"] is None
+                 else f"{m['mib_per_minute']:+7.2f} MiB a minute")
+        lines.append(f"{name:<22} {mib(m['start'])}  {mib(m['first_minute_peak']):>17}  "
+                     f"{mib(m['last_minute_peak']):>18}  {mib(m['end'])}  {trend}")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from localstack.soak import CHAOS_SIGNALS, KINDS, chaos_plan, format_report, passed, soak, stack_env
+from localstack.soak import CHAOS_SIGNALS, KINDS, chaos_plan, format_report, memory_summary, passed, soak, stack_env
 
 pytestmark = pytest.mark.e2e
 
@@ -66,3 +66,24 @@ def test_the_chaos_plan_stops_each_kind_with_each_signal_and_the_orchestrators_e
         first = chaos_plan(CHAOS_SIGNALS["both"], True)[:4]
         assert {sig for kind, sig in first if kind == "orchestrator"} == set(CHAOS_SIGNALS["both"])
         assert {sig for kind, sig in first if kind != "orchestrator"} == set(CHAOS_SIGNALS["both"])
+
+
+def test_memory_summary_tells_a_steady_leak_from_the_allocators_swing():
+    swing = [(t, 700.0 + (60.0 if (t // 15) % 2 else 0.0)) for t in range(0, 721, 15)]  # 700 and 760 by turns
+    flat = memory_summary(swing)
+    assert abs(flat["mib_per_minute"]) < 1.0 and flat["first_minute_peak"] == flat["last_minute_peak"] == 760.0
+    leak = memory_summary([(t, m + 2.0 * t / 60) for t, m in swing])  # the same swing, and 2 MiB a minute more
+    assert leak["mib_per_minute"] == pytest.approx(2.0, abs=0.6)
+    assert leak["last_minute_peak"] - leak["first_minute_peak"] > 18.0
+    assert (leak["start"], leak["end"]) == (700.0, swing[-1][1] + 24.0)
+
+
+def test_memory_summary_of_a_short_run_or_a_process_gone_midway():
+    short = memory_summary([(0.0, 500.0), (5.0, 510.0), (10.0, 505.0)])  # no reading past the first minute
+    assert short["first_minute_peak"] == 510.0 and short["last_minute_peak"] is None
+    assert short["mib_per_minute"] is None
+    gone = memory_summary([(t, 600.0) for t in range(0, 400, 5)] + [(400.0, None), (405.0, None)])  # killed at 400 s
+    assert gone["end"] is None and gone["last_minute_peak"] == 600.0 and gone["mib_per_minute"] == 0.0
+    brief = memory_summary([(t, 600.0 + t) for t in range(0, 200, 5)])  # 2 minutes past the first: no trend yet
+    assert brief["mib_per_minute"] is None and brief["last_minute_peak"] == 795.0
+    assert memory_summary([(0.0, None)])["start"] is None
