@@ -29,6 +29,9 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
     idle = getattr(args, "session_idle_seconds", 0)
     if not 0 <= idle < float("inf"):
         ap.error(f"--session-idle-seconds must be a finite number of seconds, 0 (never) or more, got {idle}")
+    trim = getattr(args, "heap_trim_seconds", 0)
+    if not 0 <= trim < float("inf"):
+        ap.error(f"--heap-trim-seconds must be a finite number of seconds, 0 (never) or more, got {trim}")
     if getattr(args, "batch_full_tokens", -1) < -1:
         ap.error(f"--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device), "
                  f"got {args.batch_full_tokens}")
@@ -118,6 +121,10 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                          "orchestrators' --session-ttl: by then its handle has expired and no call can "
                          "continue it; what an orchestrator that died, or a lost Release, leaves behind); "
                          "0 = never [SPECDEC_SESSION_IDLE_SECONDS]")
+    ap.add_argument("--heap-trim-seconds", type=float, default=float(env("HEAP_TRIM_SECONDS", 30)),
+                    help="give the memory the C allocator holds freed back to the system (glibc's "
+                         "malloc_trim, a few ms) at most this often, between batches (default 30); 0 = never "
+                         "[SPECDEC_HEAP_TRIM_SECONDS]")
     ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),
                     help="KV-cache bytes held before LRU eviction, 0 = no limit [SPECDEC_MAX_CACHE_MB]")
     ap.add_argument("--prefix-reuse", choices=("on", "off"), default=env("PREFIX_REUSE", "on"),

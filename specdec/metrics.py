@@ -25,6 +25,9 @@ REUSED_POSITIONS = Counter("specdec_replica_reused_positions_total",
                            "Prompt positions copied from another session's cache instead of computed", ["pool"])
 EXPIRED = Counter("specdec_replica_sessions_expired_total",
                   "Sessions released after --session-idle-seconds without a call", ["pool"])
+HEAP_TRIM_SECONDS = Histogram("specdec_replica_heap_trim_seconds",
+                              "Each trim of the freed heap (--heap-trim-seconds, malloc_trim)", ["pool"],
+                              buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
 
 # orchestrator
 REQUESTS = Counter("specdec_requests_total", "Generation requests by outcome", ["method", "code"])

@@ -17,6 +17,7 @@ from specdec.errors import SpecDecError
 from specdec.frame_server import FrameServer, MuxMethod
 from specdec.frames import server_ssl_context
 from specdec.gc_tuning import freeze_startup_heap
+from specdec.heap_trim import HeapTrimmer
 from specdec.grpc_server import ServerShell, abort, end_leftover_tasks, server_credentials, watch_stop
 from specdec.internal.v1 import replica_pb2
 from specdec.model_runner import ModelRunner
@@ -66,6 +67,7 @@ class ReplicaHost:
         self.shell = ServerShell([service_name])
         self.redis = redis_client(args.redis_url, args.redis_password_file)
         self.heartbeat = Heartbeat(Registry(self.redis), self.info)
+        self.heap_trim = HeapTrimmer(getattr(args, "heap_trim_seconds", 0))
 
     @property
     def draining(self) -> bool:
@@ -119,14 +121,20 @@ class ReplicaHost:
             self._reuses_seen = reuses
 
     def _expire_idle(self) -> None:
-        """Sessions idle past --session-idle-seconds released, on the event loop between two
-        batches: a batch on the worker thread may be using the table (`busy`)."""
+        """Sessions idle past --session-idle-seconds released, then the freed heap trimmed
+        (--heap-trim-seconds, specdec/heap_trim.py), on the event loop between two batches: a
+        batch on the worker thread may be using the table (`busy`)."""
         limit = getattr(self.args, "session_idle_seconds", 0)
-        if limit > 0 and not self.batcher.busy:
+        if self.batcher.busy:
+            return
+        if limit > 0:
             n = self.engine.sessions.expire_idle(limit)
             if n:
                 metrics.EXPIRED.labels(self.pool).inc(n)
                 log.info("released %d session(s) idle for more than %.0fs", n, limit)
+        trims = self.heap_trim.seconds
+        if self.heap_trim.maybe_trim():  # after the releases, whose caches it can then give back
+            metrics.HEAP_TRIM_SECONDS.labels(self.pool).observe(self.heap_trim.seconds - trims)
 
     def info(self) -> ReplicaInfo:
         """The load this replica reports to the registry (every heartbeat, which first

@@ -79,3 +79,11 @@ def test_only_the_target_pool_stops_holding_full_batches_by_default():
         add_replica_args(ap, pool, "model")
         defaults[pool] = ap.parse_args([]).batch_full_tokens
     assert defaults == {"draft": 0, "target": -1}
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_heap_trim_interval_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--heap-trim-seconds", value])
+    assert exit_.value.code == 2
+    assert "--heap-trim-seconds must be a finite number of seconds, 0 (never) or more" in capsys.readouterr().err
