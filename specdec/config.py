@@ -26,12 +26,11 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
     mistyped setting in a manifest is a usage error naming the variable, not a traceback
     from deep in start-up."""
     args = ap.parse_args(argv)
-    idle = getattr(args, "session_idle_seconds", 0)
-    if not 0 <= idle < float("inf"):
-        ap.error(f"--session-idle-seconds must be a finite number of seconds, 0 (never) or more, got {idle}")
-    trim = getattr(args, "heap_trim_seconds", 0)
-    if not 0 <= trim < float("inf"):
-        ap.error(f"--heap-trim-seconds must be a finite number of seconds, 0 (never) or more, got {trim}")
+    for dest in ("session_idle_seconds", "heap_trim_seconds"):  # intervals: 0 turns them off
+        seconds = getattr(args, dest, 0)
+        if not 0 <= seconds < float("inf"):
+            flag = "--" + dest.replace("_", "-")
+            ap.error(f"{flag} must be a finite number of seconds, 0 (never) or more, got {seconds}")
     if getattr(args, "batch_full_tokens", -1) < -1:
         ap.error(f"--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device), "
                  f"got {args.batch_full_tokens}")

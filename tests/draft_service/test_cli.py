@@ -51,12 +51,13 @@ def test_a_replica_that_cannot_start_says_why_in_one_line(flags, words):
     assert words in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("flag", ["--session-idle-seconds", "--heap-trim-seconds"])
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
-def test_a_bad_idle_limit_is_a_usage_error(capsys, value):
+def test_a_bad_interval_is_a_usage_error(capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
-        main(["--session-idle-seconds", value])
+        main([flag, value])
     assert exit_.value.code == 2
-    assert "--session-idle-seconds must be a finite number of seconds, 0 (never) or more" in capsys.readouterr().err
+    assert f"{flag} must be a finite number of seconds, 0 (never) or more" in capsys.readouterr().err
 
 
 def test_a_negative_full_batch_is_a_usage_error(capsys):
@@ -79,11 +80,3 @@ def test_only_the_target_pool_stops_holding_full_batches_by_default():
         add_replica_args(ap, pool, "model")
         defaults[pool] = ap.parse_args([]).batch_full_tokens
     assert defaults == {"draft": 0, "target": -1}
-
-
-@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
-def test_a_bad_heap_trim_interval_is_a_usage_error(capsys, value):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--heap-trim-seconds", value])
-    assert exit_.value.code == 2
-    assert "--heap-trim-seconds must be a finite number of seconds, 0 (never) or more" in capsys.readouterr().err
