@@ -3,7 +3,8 @@
 A new session goes to the least-loaded live replica of each pool (load from the
 registry, plus the sessions this process placed since the last heartbeat), or, among those
 nearly as little loaded, to the one its prompt's first tokens hash to (so that prompts that
-begin alike find their prefix held there), and sticks there. A replica whose calls fail is
+begin alike find their prefix held there; `--prefix-affinity off` routes by load alone),
+and sticks there. A replica whose calls fail is
 avoided at once, before its registry entry expires, unless every replica of its pool is
 avoided.
 """
@@ -51,8 +52,9 @@ class PoolClients:
     def __init__(self, registry: Registry, draft_pool: str = "draft", target_pool: str = "target",
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
                  avoid_seconds: float = 10.0, registry_cache_seconds: float = 0.5,
-                 tls_server_name: str | None = None, frames: bool = False) -> None:
+                 tls_server_name: str | None = None, frames: bool = False, prefix_affinity: bool = True) -> None:
         self.registry = registry
+        self.prefix_affinity = prefix_affinity  # False: new sessions go by load alone
         self.pools = {"draft": draft_pool, "target": target_pool}
         self.creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
         self.options = channel_options(tls_server_name if self.creds else None)
@@ -171,7 +173,7 @@ class PoolClients:
 
         def load(r: ReplicaInfo) -> float:
             return (r.sessions + self._placed.get(r.address, 0)) / max(1, r.capacity)
-        if affinity:
+        if affinity and self.prefix_affinity:
             least = min(load(r) for r in candidates)
             near = [r for r in candidates if load(r) <= least + AFFINITY_SLACK]
             best = max(near, key=lambda r: hashlib.blake2b(affinity + r.address.encode(), digest_size=8).digest())

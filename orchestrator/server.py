@@ -403,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "round, so its first chunk carries several tokens but comes after the draft's "
                          "prefill, its steps and the target's verification (adaptive γ only: a request fixing "
                          "γ drafts as it asks) [SPECDEC_FIRST_ROUND]")
+    ap.add_argument("--prefix-affinity", choices=("on", "off"), default=env("PREFIX_AFFINITY", "on"),
+                    help="on: a new session whose prompt begins alike with others goes where that beginning "
+                         "is held (the replicas' prefix reuse), among the replicas nearly as little loaded as "
+                         "the least; off: by load alone, every replica sharing every kind of prompt alike "
+                         "(default on) [SPECDEC_PREFIX_AFFINITY]")
     ap.add_argument("--prompt-lookup", choices=(*ngram.MODES, "on"), default=env("PROMPT_LOOKUP", "greedy"),
                     help="rounds that no draft replica drafts (an empty or failed draft pool, a late draft, "
                          "drafting off under load or priced out) draft by prompt lookup instead of decoding "
@@ -444,7 +449,7 @@ async def serve(args: argparse.Namespace) -> None:
         redis = redis_client(args.redis_url, args.redis_password_file)
         pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
                             args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name,
-                            frames=args.internal_calls == "frames")
+                            frames=args.internal_calls == "frames", prefix_affinity=args.prefix_affinity == "on")
     costs = CostModel()
     metrics.export_target_forward_ms(costs.forward.table)
     governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)

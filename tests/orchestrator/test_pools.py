@@ -113,3 +113,28 @@ def test_prompts_that_begin_alike_go_to_one_replica_unless_it_is_fuller(redis_se
     assert firsts == again and set(firsts.values()) == {A, B}
     assert moved == B
     assert prefix_affinity(list(range(16))) == b"" and len(prefix_affinity(list(range(17)))) == 16 * 8
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_prefix_affinity_off_routes_by_load_alone(redis_server, affinity):
+    """A replica a little fuller (within the slack) still gets the prompts that hash to it,
+    unless the orchestrator routes by load alone (`--prefix-affinity off`)."""
+    from orchestrator.pools import prefix_affinity
+
+    async def go():
+        pools, client = await pools_over(redis_server.url, A, B)
+        pools.prefix_affinity = affinity
+        try:
+            await Registry(client, ttl_seconds=30).register(ReplicaInfo(A, "target", capacity=100, sessions=5))
+            keys = [prefix_affinity(list(range(k, k + 20))) for k in range(24)]
+            picks = []
+            for key in keys:  # a fresh count of placements each time: the registry's loads decide
+                pools._placed.clear()
+                picks.append(await pools.pick("target", affinity=key))
+            return picks
+        finally:
+            await pools.close()
+            await client.aclose()
+
+    picks = asyncio.run(go())
+    assert (set(picks) == {A, B}) if affinity else (picks == [B] * len(picks))
