@@ -8,6 +8,12 @@ reversed every round, so a slow spell weighs on all arms alike. Each line gives 
 tokens/s, mean γ, share of pre-drafted rounds, and of drafted tokens the share kept and
 the share looked up (prompt lookup); the summary, each arm's mean and runs.
 
+An arm may have a target replica of its own (`--arm-target name='[NAME=VALUE ...] FLAGS'`,
+read as a soak's `--target-args` are): it runs in a pool of its own that only that arm's
+orchestrator uses, so replica settings and environments (an allocator, a batching window)
+compare by turns too; the arms without one share the stack's target replica. Only the arm
+whose turn it is keeps its replicas busy.
+
 Seeds: (d) and (f) requests are seeded (request i gets seed 1000 + 100000·round + i, so
 every round samples its own texts and the arms of a round the same ones); (e) sends none,
 as in `make bench`. With a fixed set of seeds the speed of (d) at temperature 1 is that of
@@ -26,6 +32,7 @@ from google.protobuf import json_format
 from benchmarks.remote import StackClient
 from benchmarks.runs import MODES, make_requests, pass_seed_base
 from benchmarks.stack_probe import STACK_GAMMA, add_workload_args
+from localstack.soak import parse_variant
 from localstack.stack import LocalStack
 from specdec.models import load_tokenizer
 from specdec.v1 import orchestrator_pb2 as pb
@@ -111,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-flags", default="", help="flags for the draft replica, shared by every arm "
                     "(e.g. '--max-batch 1': an undersized draft pool)")
     ap.add_argument("--target-flags", default="", help="flags for the target replica, shared by every arm")
+    ap.add_argument("--arm-target", action="append", default=[], metavar="NAME='[NAME=VALUE ...] [FLAGS ...]'",
+                    help="that arm's own target replica, with these environment variables and flags (in a pool "
+                    "of its own), e.g. --arm glibc= --arm je= --arm-target "
+                    "je='LD_PRELOAD=/lib/x86_64-linux-gnu/libjemalloc.so.2'")
     ap.add_argument("--join", type=int, default=1,
                     help="held-out prompts joined into each prompt (default 1; 10 makes prompts of 300-450 "
                          "tokens, longer than --prefill-chunk's default 256)")
@@ -126,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--fields names arms that are not given with --arm: {', '.join(sorted(unknown))}")
     if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens, args.join) < 1:
         raise SystemExit("--rounds, --prompts, --per-stream, --max-new-tokens and --join must be at least 1")
+    try:
+        own = {name: parse_variant(text) for name, _, text in (a.partition("=") for a in args.arm_target)}
+    except ValueError as exc:
+        raise SystemExit(str(exc).replace("--target-args", "--arm-target")) from None
+    if set(own) - {name for name, _ in arms}:
+        raise SystemExit(f"--arm-target names arms that are not given with --arm: "
+                         f"{', '.join(sorted(set(own) - {name for name, _ in arms}))}")
     if not 0 <= args.drafts <= 4:
         raise SystemExit(f"--drafts must lie in 0..4, got {args.drafts}")
     from training.corpus import heldout_prompts
@@ -137,10 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start_redis()
         stack.start_replica("target", wait=False, extra=shlex.split(args.target_flags))
+        for name, v in own.items():
+            stack.start_replica("target", wait=False, extra=[*shlex.split(args.target_flags), "--pool",
+                                                             f"target-{name}", *v.args], env=v.env, label=name)
         for _ in range(args.drafts):
             stack.start_replica("draft", wait=False, extra=shlex.split(args.draft_flags))
-        addresses = {name: stack.start_orchestrator(wait=False, extra=flags).address for name, flags in arms}
-        stack.wait_all(args.drafts, 1)
+        addresses = {name: stack.start_orchestrator(
+            wait=False, extra=[*(["--target-pool", f"target-{name}"] if name in own else []), *flags]).address
+            for name, flags in arms}
+        stack.wait_all(args.drafts, 1 + len(own))
         results = asyncio.run(alternate(addresses, prompt_ids, runs, args.rounds, args.per_stream,
                                         args.max_new_tokens, args.warm_up, fields))
     finally:

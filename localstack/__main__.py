@@ -74,16 +74,24 @@ def cmd_loadtest(args) -> int:
 
 
 def cmd_soak(args) -> int:
-    from localstack.soak import passed, soak, stack_env
+    from localstack.soak import parse_variant, passed, soak, stack_env
 
+    try:
+        variants = [parse_variant(text) for text in args.target_args or ()]
+    except ValueError as exc:
+        raise SystemExit(f"python -m localstack soak: error: {exc}")
+    if variants and args.chaos is not None:
+        raise SystemExit("python -m localstack soak: error: --target-args and --chaos do not go together "
+                         "(a replica started in a stopped one's place would not know its variant)")
     if args.chaos is not None and args.chaos <= 0:
         raise SystemExit(f"python -m localstack soak: error: --chaos must be a number of seconds above 0, got {args.chaos}")
     if args.chaos_orchestrators and args.chaos is None:
         raise SystemExit("python -m localstack soak: error: --chaos-orchestrators needs --chaos SECONDS")
     with _stack(args) as stack:
         pool = 2 if args.chaos else 1  # a replica stopped leaves the other of its pool
-        stack.extra_env.update(stack_env(args.chaos_signal, args.chaos_orchestrators))
-        stack.start(drafts=pool, targets=pool, orchestrators=2 if args.chaos_orchestrators else 1)
+        stack.extra_env.update(stack_env(args.chaos_signal, args.chaos_orchestrators, bool(variants)))
+        stack.start(drafts=pool, targets=pool, orchestrators=2 if args.chaos_orchestrators else 1,
+                    target_variants=variants)
         report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens,
                                   chaos=args.chaos, chaos_signal=args.chaos_signal,
                                   chaos_orchestrators=args.chaos_orchestrators))
@@ -125,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                     "--chaos-signal (term: a rolling update; kill: a crash, their session lease then 2 s; both); the "
                     "clients send each call to the next orchestrator running, a call refused by one shutting down "
                     "to another, as a load balancer would, and a call cut by one killed again with its request id")
+    so.add_argument("--target-args", action="append", metavar="'[NAME=VALUE ...] [FLAGS ...]'",
+                    help="one target replica with these environment variables and flags (as a shell reads "
+                    "them; '' for the defaults); repeat it for a pool of variants compared side by side under "
+                    "the one load, each one's memory and share of the work in the report, e.g. "
+                    "--target-args '' --target-args '--heap-trim-seconds 0' --target-args 'MALLOC_ARENA_MAX=2'")
     for p in (run, demo, lt, so):
         p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     args = ap.parse_args(argv)

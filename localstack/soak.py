@@ -33,15 +33,24 @@ call cut by an orchestrator's death is sent again with it (`Front.resume`): it c
 where the dead one stopped, and its whole answer must begin with the tokens the client had
 already received. A conversation's turns and its EndSession go to whichever orchestrator
 is next, so they also show that the orchestrators hold no session state.
+
+With target variants (`--target-args`, `parse_variant`), the target pool is one replica per
+variant, each started with its own flags and environment, and the report gives each one's
+share of the engine's work beside its memory: settings compared side by side under one
+load rather than by turns (how `--heap-trim-seconds` and the allocator's settings were
+measured).
 """
 from __future__ import annotations
 
 import asyncio
 import random
+import re
+import shlex
 import signal
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -53,6 +62,8 @@ from specdec.registry import ReplicaInfo
 from specdec.session_store import PREFIX
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
+
+from localstack.stack import scrape_metrics
 
 PROMPTS = ["def parse_args(argv):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
            "import json\n\ndef load_config(path):\n", "def binary_search(items, target):\n",
@@ -74,6 +85,56 @@ KILLED_LEASE_S = 2.0
 RESUME_WINDOW_S = 30.0
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A target replica's own settings in a soak: environment and flags."""
+    env: dict = field(default_factory=dict)
+    args: list = field(default_factory=list)
+    label: str = "defaults"
+
+
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def parse_variant(text: str) -> Variant:
+    """'[NAME=VALUE ...] [FLAGS ...]', read as a shell reads a command's words: the leading
+    NAME=VALUE words go to the replica's environment (`MALLOC_ARENA_MAX=2`,
+    `LD_PRELOAD=...`), the rest are its flags; '' is the defaults."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--target-args {text!r}: {exc}") from None
+    env = {}
+    while words and ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return Variant(env, words, " ".join(shlex.quote(w) for w in shlex.split(text)) or "defaults")
+
+
+def engine_shares(stack) -> dict[str, dict[str, float]]:
+    """Of each replica with a /metrics port: its engine batches and seconds, and its share
+    of the seconds of those replicas of its pool (how evenly the load fell between the
+    variants whose memory a report compares)."""
+    out = {}
+    for rep in stack.replicas:
+        if not rep.metrics_port or rep.proc.poll() is not None:
+            continue
+        try:
+            m = scrape_metrics(rep.metrics_port)
+        except OSError:
+            continue
+        pool = f'{{pool="{rep.kind}"}}'
+        out[process_name(rep)] = {"kind": rep.kind, "batches": m.get(f"specdec_engine_seconds_count{pool}", 0.0),
+                                  "seconds": m.get(f"specdec_engine_seconds_sum{pool}", 0.0),
+                                  "trims": m.get(f"specdec_replica_heap_trim_seconds_count{pool}", 0.0)}
+    for kind in {e["kind"] for e in out.values()}:
+        total = sum(e["seconds"] for e in out.values() if e["kind"] == kind)
+        for e in out.values():
+            if e["kind"] == kind:
+                e["share"] = e["seconds"] / total if total else 0.0
+    return out
+
+
 def chaos_plan(sigs: tuple[int, ...], orchestrators: bool) -> list[tuple[str, int]]:
     """The order of the churn's stops, repeated: the pools (and the orchestrators) in turn,
     and with two signals each kind meets both. An orchestrator stop comes every other time
@@ -89,13 +150,18 @@ def chaos_plan(sigs: tuple[int, ...], orchestrators: bool) -> list[tuple[str, in
     return [("target", kill), ("draft", term), ("target", term), ("draft", kill)]
 
 
-def stack_env(chaos_signal: str, chaos_orchestrators: bool) -> dict[str, str]:
+def stack_env(chaos_signal: str, chaos_orchestrators: bool, variants: bool = False) -> dict[str, str]:
     """The servers' environment for the soak: where orchestrators are killed, a short
     lease, so that the sessions a dead one held are free for their retries within
-    KILLED_LEASE_S rather than the default 30 s."""
+    KILLED_LEASE_S rather than the default 30 s; with target variants, routing by load
+    alone, so that each variant meets every kind of request alike (prefix affinity sends
+    every long prompt, which begins alike, to one of them)."""
+    env = {}
     if chaos_orchestrators and signal.SIGKILL in CHAOS_SIGNALS[chaos_signal]:
-        return {"SPECDEC_SESSION_LEASE": str(KILLED_LEASE_S)}
-    return {}
+        env["SPECDEC_SESSION_LEASE"] = str(KILLED_LEASE_S)
+    if variants:
+        env["SPECDEC_PREFIX_AFFINITY"] = "off"
+    return env
 
 
 def resident_mib(pid: int) -> float | None:
@@ -138,8 +204,12 @@ def memory_summary(samples: list[tuple[float, float | None]], warmup: float = WA
             "last_minute_peak": max(last) if last else None, "end": samples[-1][1], "mib_per_minute": slope}
 
 
+def process_name(rep) -> str:
+    return f"{rep.kind}@{rep.port}" + (f" [{rep.label}]" if rep.label else "")
+
+
 def processes(stack) -> dict[str, int]:
-    procs = {f"{r.kind}@{r.port}": r.proc.pid for r in stack.replicas + stack.orchestrators}
+    procs = {process_name(r): r.proc.pid for r in stack.replicas + stack.orchestrators}
     if stack.redis_proc is not None:
         procs[f"redis@{stack.redis_port}"] = stack.redis_proc.pid
     return procs
@@ -560,6 +630,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     elapsed = time.monotonic() - t_start
     read_memory()
     memory = {name: memory_summary(samples) for name, samples in readings.items()}
+    engines = engine_shares(stack)
     left = await leftovers(stack, before)
 
     report = {
@@ -574,7 +645,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         "batch_invariant": bool(kernels) and all("batch-invariant" in k for k in kernels.values()),
         "kernels": kernels,
         "latency_s": {"request": percentiles(tally.latency), "first_chunk": percentiles(tally.first_chunk)},
-        "memory_mib": memory,
+        "memory_mib": memory, "engines": engines,
     }
     print(format_report(report), flush=True)
     return report
@@ -632,11 +703,17 @@ def format_report(r: dict) -> str:
     for name, key in (("request", "request"), ("first chunk", "first_chunk")):
         p = r["latency_s"][key]
         lines.append(f"{name:<14} {sec(p['p50'])}  {sec(p['p90'])}  {sec(p['p99'])}")
-    lines += ["", "resident memory (MiB)    start  1st minute's peak  last minute's peak      end  "
+    width = max([22, *(len(name) for name in r["memory_mib"])])
+    lines += ["", f"{'resident memory (MiB)':<{width}}   start  1st minute's peak  last minute's peak      end  "
                   "trend after the 1st minute"]
     for name, m in r["memory_mib"].items():
         trend = ("      - (too short a run)" if m["mib_per_minute"] is None
                  else f"{m['mib_per_minute']:+7.2f} MiB a minute")
-        lines.append(f"{name:<22} {mib(m['start'])}  {mib(m['first_minute_peak']):>17}  "
+        lines.append(f"{name:<{width}} {mib(m['start'])}  {mib(m['first_minute_peak']):>17}  "
                      f"{mib(m['last_minute_peak']):>18}  {mib(m['end'])}  {trend}")
+    if r.get("engines"):
+        lines += ["", f"{'engine work':<{width}}  batches  seconds  share of its pool's  heap trims"]
+        for name, e in r["engines"].items():
+            lines.append(f"{name:<{width}} {e['batches']:8.0f} {e['seconds']:8.1f} {e['share']:20.1%} "
+                         f"{e['trims']:11.0f}")
     return "\n".join(lines)

@@ -72,6 +72,8 @@ class Replica:
     kind: str
     port: int
     proc: subprocess.Popen
+    label: str = ""  # how a report tells it from its pool's others (a soak's target variants)
+    metrics_port: int = 0  # its /metrics on loopback, where one was asked for
 
     @property
     def address(self) -> str:
@@ -116,11 +118,11 @@ class LocalStack:
             env["SPECDEC_REDIS_PASSWORD_FILE"] = str(pw)
         return env
 
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
         out = log if self.quiet else None
-        return subprocess.Popen(args, cwd=REPO_ROOT, env=self._env(), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+        return subprocess.Popen(args, cwd=REPO_ROOT, env={**self._env(), **(env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
 
     def start_redis(self, port: int = 0) -> None:
         self.redis_port = port or self.redis_port or free_port()
@@ -145,14 +147,19 @@ class LocalStack:
             self.redis_proc.wait(10)
             self.redis_proc = None
 
-    def start_replica(self, kind: str, port: int = 0, wait: bool = True, extra: list[str] = ()) -> Replica:
+    def start_replica(self, kind: str, port: int = 0, wait: bool = True, extra: list[str] = (),
+                      env: dict | None = None, label: str = "", metrics: bool = False) -> Replica:
+        """One replica; `env` adds to the stack's environment for it alone, `metrics` serves
+        its /metrics on a free loopback port (`Replica.metrics_port`)."""
         port = port or free_port()
+        metrics_port = free_port() if metrics else 0
         model = self.draft_model if kind == "draft" else self.target_model
         args = [sys.executable, "-m", f"{kind}_service", "--port", str(port), "--host", "127.0.0.1",
                 "--model", model, "--threads", str(self.threads), "--drain-seconds", "2",
                 *(["--dtype", self.dtypes[kind]] if kind in self.dtypes else []),
-                *(self.draft_args if kind == "draft" else []), *extra]
-        rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}"))
+                *(self.draft_args if kind == "draft" else []),
+                *(["--metrics-port", str(metrics_port)] if metrics_port else []), *extra]
+        rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}", env), label, metrics_port)
         self.replicas.append(rep)
         if wait:
             wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
@@ -175,7 +182,7 @@ class LocalStack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             d = len(client.keys("specdec:replica:draft:*"))
-            t = len(client.keys("specdec:replica:target:*"))
+            t = len(client.keys("specdec:replica:target*:*"))  # and pools named target-...
             if d >= drafts and t >= targets:
                 return
             time.sleep(0.1)
@@ -211,12 +218,18 @@ class LocalStack:
             wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
         self.wait_registered(drafts, targets)
 
-    def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1) -> "LocalStack":
+    def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1,
+              target_variants: list = ()) -> "LocalStack":
         """Redis, the replicas and the orchestrators; on any failure everything started is
-        stopped again, so no process outlives a stack that did not come up."""
+        stopped again, so no process outlives a stack that did not come up. With
+        `target_variants` (objects with `env`, `args` and `label`: a soak's `Variant`), one
+        target replica each, started with them and its /metrics, in place of `targets`."""
+        targets = len(target_variants) or targets
         try:
             self.start_redis()
-            for _ in range(targets):
+            for v in target_variants:
+                self.start_replica("target", wait=False, extra=v.args, env=v.env, label=v.label, metrics=True)
+            for _ in range(0 if target_variants else targets):
                 self.start_replica("target", wait=False)
             for _ in range(drafts):
                 self.start_replica("draft", wait=False)

@@ -106,17 +106,22 @@ def test_attention_probe_prints_both_ways_for_each_case(capsys):
 
 
 def test_ab_probe_runs_every_arm_by_turns_and_sums_them_up(capsys):
+    """The arm `off` with a target replica of its own, in a pool only its orchestrator
+    reads: its calls succeed only if that replica serves them."""
     from benchmarks import ab_probe
 
     assert ab_probe.main(["--arm", "base=", "--arm", "off=--overlap-min-hit 2", "--runs", "t1:1:e", "--rounds", "2",
                           "--prompts", "2", "--per-stream", "1", "--max-new-tokens", "6", "--warm-up", "0",
-                          "--join", "2"]) == 0  # prompts of two held-out prompts each
+                          "--join", "2",  # prompts of two held-out prompts each
+                          "--arm-target", "off=MALLOC_ARENA_MAX=2 --batch-wait-ms 0"]) == 0
     out = capsys.readouterr().out
     rounds = [line.split(":")[0] for line in out.splitlines() if line.startswith("round ")]
     assert rounds == ["round 1 base", "round 1 off", "round 2 off", "round 2 base"]  # order reversed each round
     assert "| t1 1 streams (e) | base |" in out and "| t1 1 streams (e) | off |" in out
     with pytest.raises(SystemExit, match="--join must be at least 1"):
         ab_probe.main(["--arm", "a=", "--arm", "b=", "--join", "0"])
+    with pytest.raises(SystemExit, match="--arm-target names arms that are not given with --arm: c"):
+        ab_probe.main(["--arm", "a=", "--arm", "b=", "--arm-target", "c=--batch-wait-ms 0"])
 
 
 def test_dtype_probe_times_each_shape_in_each_dtype(capsys):

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from localstack.soak import CHAOS_SIGNALS, KINDS, chaos_plan, format_report, memory_summary, passed, soak, stack_env
+from localstack.soak import (CHAOS_SIGNALS, KINDS, Variant, chaos_plan, format_report, memory_summary, parse_variant,
+                             passed, soak, stack_env)
 
 pytestmark = pytest.mark.e2e
 
@@ -53,6 +54,49 @@ def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths
         {"SIGKILL", "SIGTERM"}, report["restarts"]
     assert report["compared"]["greedy"] >= 20
     assert report["logprobs_compared"] >= 5  # repeats asking for log-probabilities, every one matching
+
+
+def test_target_variants_run_side_by_side_with_their_own_flags_and_environment(bundled_paths):
+    """A pool of two target variants: each replica started with its variant's environment
+    and flags (read back from /proc), the report naming each in its memory table and giving
+    each one's share of the engine's work from its /metrics."""
+    from pathlib import Path
+
+    from localstack.stack import LocalStack
+    from tests.stacks import started_stack, stopped
+
+    variants = [parse_variant(""), parse_variant("SPECDEC_SOAK_VARIANT=b --heap-trim-seconds 0")]
+    stack = started_stack(lambda: LocalStack(extra_env=stack_env("kill", False, variants=True)),
+                          target_variants=variants)
+    try:
+        targets = [r for r in stack.replicas if r.kind == "target"]
+        environ = [Path(f"/proc/{r.proc.pid}/environ").read_bytes().split(b"\0") for r in targets]
+        argv = [Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().split(b"\0") for r in targets]
+        orchestrator_env = Path(f"/proc/{stack.orchestrators[0].proc.pid}/environ").read_bytes().split(b"\0")
+        report = asyncio.run(soak(stack, streams=4, seconds=300, max_new_tokens=16, max_requests=2 * len(KINDS)))
+    finally:
+        stopped(stack)
+    assert passed(report), format_report(report)
+    assert [r.label for r in targets] == ["defaults", "SPECDEC_SOAK_VARIANT=b --heap-trim-seconds 0"]
+    assert [b"SPECDEC_SOAK_VARIANT=b" in e for e in environ] == [False, True]
+    assert [b"--heap-trim-seconds" in a for a in argv] == [False, True]
+    assert b"SPECDEC_PREFIX_AFFINITY=off" in orchestrator_env  # by load alone: each variant meets every kind
+    names = [f"target@{r.port} [{r.label}]" for r in targets]
+    assert set(names) <= set(report["memory_mib"]) and set(report["engines"]) == set(names)
+    assert all(e["batches"] > 0 for e in report["engines"].values()), report["engines"]
+    assert sum(e["share"] for e in report["engines"].values()) == pytest.approx(1.0)
+    text = format_report(report)
+    assert all(text.count(name) == 2 for name in names), text  # its memory and its work
+
+
+def test_a_variant_reads_its_leading_assignments_as_environment_as_a_shell_does():
+    assert parse_variant("") == Variant({}, [], "defaults")
+    v = parse_variant("MALLOC_ARENA_MAX=2 LD_PRELOAD='/lib/a b.so' --heap-trim-seconds 0 --x=1")
+    assert v.env == {"MALLOC_ARENA_MAX": "2", "LD_PRELOAD": "/lib/a b.so"}
+    assert v.args == ["--heap-trim-seconds", "0", "--x=1"]  # NAME=VALUE after the first flag is the flag's
+    assert v.label == "MALLOC_ARENA_MAX=2 'LD_PRELOAD=/lib/a b.so' --heap-trim-seconds 0 --x=1"
+    with pytest.raises(ValueError, match="No closing quotation"):
+        parse_variant("--x 'a")
 
 
 @pytest.mark.parametrize("orchestrators", [False, True])
