@@ -91,7 +91,7 @@ def cmd_soak(args) -> int:
         pool = 2 if args.chaos else 1  # a replica stopped leaves the other of its pool
         stack.extra_env.update(stack_env(args.chaos_signal, args.chaos_orchestrators, bool(variants)))
         stack.start(drafts=pool, targets=pool, orchestrators=2 if args.chaos_orchestrators else 1,
-                    target_variants=variants)
+                    target_variants=variants, metrics=True)
         report = asyncio.run(soak(stack, args.streams, args.minutes * 60, args.max_new_tokens,
                                   chaos=args.chaos, chaos_signal=args.chaos_signal,
                                   chaos_orchestrators=args.chaos_orchestrators))

@@ -10,7 +10,7 @@ The report counts requests and errors by status code, gives latency percentiles 
 requests and of the first chunk, and each process's resident memory (VmRSS, sampled every
 few seconds): at the start, its peak in the first minute and in the last, at the end, and
 its trend after the first minute (`memory_summary`): after warm-up the memory should stay
-flat. It also checks what must hold however busy the stack is:
+flat; and each replica's engine work from its /metrics (`engine_shares`). It also checks what must hold however busy the stack is:
 - the same greedy request gives the same tokens every time, whichever γ it ran with (a
   mismatch fails the soak); so does a seeded request that does not reproduce its tokens
   where every replica of the run was batch-invariant (their kernels say so in the

@@ -219,20 +219,21 @@ class LocalStack:
         self.wait_registered(drafts, targets)
 
     def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1,
-              target_variants: list = ()) -> "LocalStack":
+              target_variants: list = (), metrics: bool = False) -> "LocalStack":
         """Redis, the replicas and the orchestrators; on any failure everything started is
         stopped again, so no process outlives a stack that did not come up. With
         `target_variants` (objects with `env`, `args` and `label`: a soak's `Variant`), one
-        target replica each, started with them and its /metrics, in place of `targets`."""
+        target replica each, started with them, in place of `targets`; `metrics`: every
+        replica serves its /metrics."""
         targets = len(target_variants) or targets
         try:
             self.start_redis()
             for v in target_variants:
-                self.start_replica("target", wait=False, extra=v.args, env=v.env, label=v.label, metrics=True)
+                self.start_replica("target", wait=False, extra=v.args, env=v.env, label=v.label, metrics=metrics)
             for _ in range(0 if target_variants else targets):
-                self.start_replica("target", wait=False)
+                self.start_replica("target", wait=False, metrics=metrics)
             for _ in range(drafts):
-                self.start_replica("draft", wait=False)
+                self.start_replica("draft", wait=False, metrics=metrics)
             for _ in range(orchestrators):
                 self.start_orchestrator(wait=False)
             self.wait_all(drafts, targets)

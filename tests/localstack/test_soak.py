@@ -67,7 +67,7 @@ def test_target_variants_run_side_by_side_with_their_own_flags_and_environment(b
 
     variants = [parse_variant(""), parse_variant("SPECDEC_SOAK_VARIANT=b --heap-trim-seconds 0")]
     stack = started_stack(lambda: LocalStack(extra_env=stack_env("kill", False, variants=True)),
-                          target_variants=variants)
+                          target_variants=variants, metrics=True)
     try:
         targets = [r for r in stack.replicas if r.kind == "target"]
         environ = [Path(f"/proc/{r.proc.pid}/environ").read_bytes().split(b"\0") for r in targets]
@@ -82,11 +82,14 @@ def test_target_variants_run_side_by_side_with_their_own_flags_and_environment(b
     assert [b"--heap-trim-seconds" in a for a in argv] == [False, True]
     assert b"SPECDEC_PREFIX_AFFINITY=off" in orchestrator_env  # by load alone: each variant meets every kind
     names = [f"target@{r.port} [{r.label}]" for r in targets]
-    assert set(names) <= set(report["memory_mib"]) and set(report["engines"]) == set(names)
-    assert all(e["batches"] > 0 for e in report["engines"].values()), report["engines"]
-    assert sum(e["share"] for e in report["engines"].values()) == pytest.approx(1.0)
+    engines = {name: e for name, e in report["engines"].items() if e["kind"] == "target"}
+    assert set(names) <= set(report["memory_mib"]) and set(engines) == set(names)
+    assert all(e["batches"] > 0 for e in report["engines"].values()), report["engines"]  # the draft's too
+    assert sum(e["share"] for e in engines.values()) == pytest.approx(1.0)
     text = format_report(report)
     assert all(text.count(name) == 2 for name in names), text  # its memory and its work
+    draft = next(r for r in stack.replicas if r.kind == "draft")
+    assert report["engines"][f"draft@{draft.port}"]["share"] == 1.0
 
 
 def test_a_variant_reads_its_leading_assignments_as_environment_as_a_shell_does():
