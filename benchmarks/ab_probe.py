@@ -132,18 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give at least two --arm name=FLAGS, with different names")
     runs = parse_runs(args.runs)
     fields = parse_fields(args.fields)
-    unknown = set(fields) - {name for name, _ in arms}
-    if unknown:
-        raise SystemExit(f"--fields names arms that are not given with --arm: {', '.join(sorted(unknown))}")
-    if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens, args.join) < 1:
-        raise SystemExit("--rounds, --prompts, --per-stream, --max-new-tokens and --join must be at least 1")
     try:
         own = {name: parse_variant(text) for name, _, text in (a.partition("=") for a in args.arm_target)}
     except ValueError as exc:
-        raise SystemExit(str(exc).replace("--target-args", "--arm-target")) from None
-    if set(own) - {name for name, _ in arms}:
-        raise SystemExit(f"--arm-target names arms that are not given with --arm: "
-                         f"{', '.join(sorted(set(own) - {name for name, _ in arms}))}")
+        raise SystemExit(f"--arm-target {exc}") from None
+    for flag, named in (("--fields", fields), ("--arm-target", own)):
+        unknown = set(named) - {name for name, _ in arms}
+        if unknown:
+            raise SystemExit(f"{flag} names arms that are not given with --arm: {', '.join(sorted(unknown))}")
+    if min(args.rounds, args.prompts, args.per_stream, args.max_new_tokens, args.join) < 1:
+        raise SystemExit("--rounds, --prompts, --per-stream, --max-new-tokens and --join must be at least 1")
     if not 0 <= args.drafts <= 4:
         raise SystemExit(f"--drafts must lie in 0..4, got {args.drafts}")
     from training.corpus import heldout_prompts

@@ -79,7 +79,7 @@ def cmd_soak(args) -> int:
     try:
         variants = [parse_variant(text) for text in args.target_args or ()]
     except ValueError as exc:
-        raise SystemExit(f"python -m localstack soak: error: {exc}")
+        raise SystemExit(f"python -m localstack soak: error: --target-args {exc}")
     if variants and args.chaos is not None:
         raise SystemExit("python -m localstack soak: error: --target-args and --chaos do not go together "
                          "(a replica started in a stopped one's place would not know its variant)")

@@ -10,7 +10,8 @@ The report counts requests and errors by status code, gives latency percentiles 
 requests and of the first chunk, and each process's resident memory (VmRSS, sampled every
 few seconds): at the start, its peak in the first minute and in the last, at the end, and
 its trend after the first minute (`memory_summary`): after warm-up the memory should stay
-flat; and each replica's engine work from its /metrics (`engine_shares`). It also checks what must hold however busy the stack is:
+flat; and each replica's engine work from its /metrics (`engine_shares`). It also checks
+what must hold however busy the stack is:
 - the same greedy request gives the same tokens every time, whichever γ it ran with (a
   mismatch fails the soak); so does a seeded request that does not reproduce its tokens
   where every replica of the run was batch-invariant (their kernels say so in the
@@ -50,7 +51,6 @@ import signal
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -63,7 +63,7 @@ from specdec.session_store import PREFIX
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 
-from localstack.stack import scrape_metrics
+from localstack.stack import Variant, scrape_metrics
 
 PROMPTS = ["def parse_args(argv):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
            "import json\n\ndef load_config(path):\n", "def binary_search(items, target):\n",
@@ -85,30 +85,24 @@ KILLED_LEASE_S = 2.0
 RESUME_WINDOW_S = 30.0
 
 
-@dataclass(frozen=True)
-class Variant:
-    """A target replica's own settings in a soak: environment and flags."""
-    env: dict = field(default_factory=dict)
-    args: list = field(default_factory=list)
-    label: str = "defaults"
-
-
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def parse_variant(text: str) -> Variant:
     """'[NAME=VALUE ...] [FLAGS ...]', read as a shell reads a command's words: the leading
     NAME=VALUE words go to the replica's environment (`MALLOC_ARENA_MAX=2`,
-    `LD_PRELOAD=...`), the rest are its flags; '' is the defaults."""
+    `LD_PRELOAD=...`), the rest are its flags; '' is the defaults. ValueError for words
+    a shell could not read, naming the text (the caller names its flag)."""
     try:
         words = shlex.split(text)
     except ValueError as exc:
-        raise ValueError(f"--target-args {text!r}: {exc}") from None
+        raise ValueError(f"{text!r}: {exc}") from None
+    label = " ".join(shlex.quote(w) for w in words) or "defaults"
     env = {}
     while words and ENV_WORD.match(words[0]):
         name, _, value = words.pop(0).partition("=")
         env[name] = value
-    return Variant(env, words, " ".join(shlex.quote(w) for w in shlex.split(text)) or "defaults")
+    return Variant(env, words, label)
 
 
 def engine_shares(stack) -> dict[str, dict[str, float]]:

@@ -67,6 +67,15 @@ def wait_serving(address: str, timeout: float = 60.0, proc: subprocess.Popen | N
     raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f}s")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A replica's own settings beside the stack's: environment, flags, and how a report
+    names it ("": the pool's plain replicas)."""
+    env: dict = field(default_factory=dict)
+    args: list = field(default_factory=list)
+    label: str = ""
+
+
 @dataclass
 class Replica:
     kind: str
@@ -219,24 +228,21 @@ class LocalStack:
         self.wait_registered(drafts, targets)
 
     def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1,
-              target_variants: list = (), metrics: bool = False) -> "LocalStack":
+              target_variants: list[Variant] = (), metrics: bool = False) -> "LocalStack":
         """Redis, the replicas and the orchestrators; on any failure everything started is
         stopped again, so no process outlives a stack that did not come up. With
-        `target_variants` (objects with `env`, `args` and `label`: a soak's `Variant`), one
-        target replica each, started with them, in place of `targets`; `metrics`: every
-        replica serves its /metrics."""
-        targets = len(target_variants) or targets
+        `target_variants`, one target replica each, started with it, in place of `targets`
+        plain ones; `metrics`: every replica serves its /metrics."""
+        variants = list(target_variants) or [Variant()] * targets
         try:
             self.start_redis()
-            for v in target_variants:
+            for v in variants:
                 self.start_replica("target", wait=False, extra=v.args, env=v.env, label=v.label, metrics=metrics)
-            for _ in range(0 if target_variants else targets):
-                self.start_replica("target", wait=False, metrics=metrics)
             for _ in range(drafts):
                 self.start_replica("draft", wait=False, metrics=metrics)
             for _ in range(orchestrators):
                 self.start_orchestrator(wait=False)
-            self.wait_all(drafts, targets)
+            self.wait_all(drafts, len(variants))
         except BaseException:
             self.stop()
             raise

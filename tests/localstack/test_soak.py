@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from localstack.soak import (CHAOS_SIGNALS, KINDS, Variant, chaos_plan, format_report, memory_summary, parse_variant,
-                             passed, soak, stack_env)
+from localstack.soak import (CHAOS_SIGNALS, KINDS, chaos_plan, format_report, memory_summary, parse_variant, passed,
+                             soak, stack_env)
+from localstack.stack import Variant
 
 pytestmark = pytest.mark.e2e
 
