@@ -10,7 +10,9 @@ The report counts requests and errors by status code, gives latency percentiles 
 requests and of the first chunk, and each process's resident memory (VmRSS, sampled every
 few seconds): at the start, its peak in the first minute and in the last, at the end, and
 its trend after the first minute (`memory_summary`): after warm-up the memory should stay
-flat; and each replica's engine work from its /metrics (`engine_shares`). It also checks
+flat; for each replica the same of its memory less its KV caches (`kv_cache_mib`, from its
+/metrics: the caches come and go with the sessions, and are bounded by its session limit);
+and each replica's engine work from its /metrics (`engine_shares`). It also checks
 what must hold however busy the stack is:
 - the same greedy request gives the same tokens every time, whichever γ it ran with (a
   mismatch fails the soak); so does a seeded request that does not reproduce its tokens
@@ -196,6 +198,31 @@ def memory_summary(samples: list[tuple[float, float | None]], warmup: float = WA
         slope = 60.0 * sum((t - mt) * (m - mm) for t, m in after) / var
     return {"start": samples[0][1], "first_minute_peak": max(first) if first else None,
             "last_minute_peak": max(last) if last else None, "end": samples[-1][1], "mib_per_minute": slope}
+
+
+def kv_cache_mib(stack) -> dict[str, float]:
+    """Of each live replica with a /metrics port: the MiB its KV caches hold (live sessions
+    and released prefix donors, as of its last heartbeat). A replica's resident memory
+    holds them too, and they come and go with the sessions (a long prompt's cache alone is
+    tens of MiB on the target), so its memory less them is what tells a leak."""
+    out = {}
+    for rep in stack.replicas:
+        if not rep.metrics_port or rep.proc.poll() is not None:
+            continue
+        try:
+            m = scrape_metrics(rep.metrics_port)
+        except OSError:
+            continue
+        held = m.get(f'specdec_replica_cache_bytes{{pool="{rep.kind}"}}')
+        if held is not None:
+            out[process_name(rep)] = held / 2**20
+    return out
+
+
+def less_kv(rss: list[tuple[float, float | None]], kv: list[tuple[float, float]]) -> list[tuple[float, float | None]]:
+    """Resident readings less the KV caches read with them (None where either is missing)."""
+    held = dict(kv)
+    return [(t, m - held[t] if m is not None and t in held else None) for t, m in rss]
 
 
 def process_name(rep) -> str:
@@ -576,16 +603,19 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     makes must still see its stops."""
     procs = processes(stack)
     readings: dict[str, list[tuple[float, float | None]]] = {name: [] for name in procs}
+    kv_readings: dict[str, list[tuple[float, float]]] = {}
 
-    def read_memory() -> None:
+    async def read_memory() -> None:
         t = time.monotonic() - t_start
         for name, pid in procs.items():
             readings[name].append((t, resident_mib(pid)))
+        for name, mib in (await asyncio.to_thread(kv_cache_mib, stack)).items():
+            kv_readings.setdefault(name, []).append((t, mib))
     before = await sessions_held(stack)
     tally, issued = Tally(), 0
     t_start = time.monotonic()
     t_end = t_start + seconds
-    read_memory()
+    await read_memory()
     timeout = max(30.0, 2 * seconds)
 
     def going_on() -> bool:
@@ -603,7 +633,7 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     async def sample_memory() -> None:
         while True:
             await asyncio.sleep(MEMORY_SAMPLE_SECONDS)
-            read_memory()
+            await read_memory()
 
     front = Front(stack)
     restarts: list[str] = []
@@ -622,8 +652,12 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         sampler.cancel()
         await front.close()
     elapsed = time.monotonic() - t_start
-    read_memory()
+    await read_memory()
     memory = {name: memory_summary(samples) for name, samples in readings.items()}
+    for name, kv in kv_readings.items():
+        if name in memory:
+            memory[name]["kv_mean"] = sum(m for _, m in kv) / len(kv)
+            memory[name]["less_kv"] = memory_summary(less_kv(readings[name], kv))
     engines = engine_shares(stack)
     left = await leftovers(stack, before)
 
@@ -698,13 +732,20 @@ def format_report(r: dict) -> str:
         p = r["latency_s"][key]
         lines.append(f"{name:<14} {sec(p['p50'])}  {sec(p['p90'])}  {sec(p['p99'])}")
     width = max([22, *(len(name) for name in r["memory_mib"])])
-    lines += ["", f"{'resident memory (MiB)':<{width}}   start  1st minute's peak  last minute's peak      end  "
-                  "trend after the 1st minute"]
-    for name, m in r["memory_mib"].items():
+
+    def memory_row(name: str, m: dict) -> str:
         trend = ("      - (too short a run)" if m["mib_per_minute"] is None
                  else f"{m['mib_per_minute']:+7.2f} MiB a minute")
-        lines.append(f"{name:<{width}} {mib(m['start'])}  {mib(m['first_minute_peak']):>17}  "
-                     f"{mib(m['last_minute_peak']):>18}  {mib(m['end'])}  {trend}")
+        return (f"{name:<{width}} {mib(m['start'])}  {mib(m['first_minute_peak']):>17}  "
+                f"{mib(m['last_minute_peak']):>18}  {mib(m['end'])}  {trend:<26}")
+
+    columns = "   start  1st minute's peak  last minute's peak      end  trend after the 1st minute"
+    lines += ["", f"{'resident memory (MiB)':<{width}}{columns}"]
+    lines += [memory_row(name, m).rstrip() for name, m in r["memory_mib"].items()]
+    less = {name: m for name, m in r["memory_mib"].items() if "less_kv" in m}
+    if less:
+        lines += ["", f"{'less its KV caches':<{width}}{columns}  KV caches' mean"]
+        lines += [f"{memory_row(name, m['less_kv'])}  {m['kv_mean']:15.1f}" for name, m in less.items()]
     if r.get("engines"):
         lines += ["", f"{'engine work':<{width}}  batches  seconds  share of its pool's  heap trims"]
         for name, e in r["engines"].items():

@@ -4,11 +4,12 @@ session handle or cache is left once the clients stop."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from localstack.soak import (CHAOS_SIGNALS, KINDS, chaos_plan, format_report, memory_summary, parse_variant, passed,
-                             soak, stack_env)
+from localstack.soak import (CHAOS_SIGNALS, KINDS, chaos_plan, format_report, kv_cache_mib, less_kv, memory_summary,
+                             parse_variant, passed, soak, stack_env)
 from localstack.stack import Variant
 
 pytestmark = pytest.mark.e2e
@@ -75,6 +76,12 @@ def test_target_variants_run_side_by_side_with_their_own_flags_and_environment(b
         argv = [Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().split(b"\0") for r in targets]
         orchestrator_env = Path(f"/proc/{stack.orchestrators[0].proc.pid}/environ").read_bytes().split(b"\0")
         report = asyncio.run(soak(stack, streams=4, seconds=300, max_new_tokens=16, max_requests=2 * len(KINDS)))
+        held = kv_cache_mib(stack)  # the released caches kept as prefix donors, once a heartbeat has counted them
+        for _ in range(50):
+            if all(held.get(name, 0) > 0 for name in report["engines"]):
+                break
+            time.sleep(0.1)
+            held = kv_cache_mib(stack)
     finally:
         stopped(stack)
     assert passed(report), format_report(report)
@@ -88,9 +95,15 @@ def test_target_variants_run_side_by_side_with_their_own_flags_and_environment(b
     assert all(e["batches"] > 0 for e in report["engines"].values()), report["engines"]  # the draft's too
     assert sum(e["share"] for e in engines.values()) == pytest.approx(1.0)
     text = format_report(report)
-    assert all(text.count(name) == 2 for name in names), text  # its memory and its work
+    assert all(text.count(name) == 3 for name in names), text  # its memory, that less its caches, its work
     draft = next(r for r in stack.replicas if r.kind == "draft")
     assert report["engines"][f"draft@{draft.port}"]["share"] == 1.0
+    assert set(held) == set(report["engines"]) and all(v > 0 for v in held.values()), held
+    for name in held:  # each replica's memory less its caches
+        m = report["memory_mib"][name]
+        assert m["kv_mean"] >= 0 and 0 < m["less_kv"]["end"] <= m["end"], m
+    assert "orchestrator" not in str([n for n, m in report["memory_mib"].items() if "less_kv" in m])
+    assert "less its KV caches" in text
 
 
 def test_a_variant_reads_its_leading_assignments_as_environment_as_a_shell_does():
@@ -124,6 +137,19 @@ def test_memory_summary_tells_a_steady_leak_from_the_allocators_swing():
     assert leak["mib_per_minute"] == pytest.approx(2.0, abs=0.6)
     assert leak["last_minute_peak"] - leak["first_minute_peak"] > 18.0
     assert (leak["start"], leak["end"]) == (700.0, swing[-1][1] + 24.0)
+
+
+def test_a_replicas_memory_less_its_kv_caches_tells_a_leak_from_its_sessions_coming_and_going():
+    """Caches of long prompts come and go (the resident memory swings and, as they grow over
+    a run, rises with them); less them the same memory is flat."""
+    t = list(range(0, 721, 15))
+    kv = [(s, 40.0 + (120.0 if (s // 30) % 3 == 0 else 0.0) + s / 12) for s in t]  # + 5 MiB a minute
+    rss = [(s, 500.0 + m) for s, m in kv]
+    assert memory_summary(rss)["mib_per_minute"] == pytest.approx(5.0, abs=1.5)
+    rest = memory_summary(less_kv(rss, kv))
+    assert rest["mib_per_minute"] == pytest.approx(0.0, abs=1e-9) and rest["last_minute_peak"] == 500.0
+    gone = less_kv([(0.0, 600.0), (5.0, 610.0), (10.0, None)], [(0.0, 100.0)])  # no KV reading, a process gone
+    assert gone == [(0.0, 500.0), (5.0, None), (10.0, None)]
 
 
 def test_memory_summary_of_a_short_run_or_a_process_gone_midway():
