@@ -11,11 +11,11 @@ the same prompt asked again, several answers to one prompt) starts from a copy o
 cache's positions instead of computing them again (`reuse_prefixes`): the table finds the
 held cache with the longest common prefix among those that began with the same
 `MIN_SHARED` tokens (live sessions, and the last `MAX_RETIRED` released ones, which are kept
-for this only and go first when room is needed), copies its keys, values and ids up to that
-prefix (never the call's
-last token, whose logits the call needs), and the engine feeds the rest. Each position's
-keys and values depend only on the tokens up to it, so the copy is what a prefill would
-compute, up to the float rounding of a forward over other rows.
+for this only, in place of older ones they mostly repeat, and go first when room is needed),
+copies its keys, values and ids up to that prefix (never the call's last token, whose
+logits the call needs), and the engine feeds the rest. Each position's keys and values
+depend only on the tokens up to it, so the copy is what a prefill would compute, up to the
+float rounding of a forward over other rows.
 """
 from __future__ import annotations
 
@@ -200,8 +200,16 @@ class SessionTable:
         return True
 
     def _retire(self, sess: Session) -> None:
-        """Keep a released cache as a donor of prefixes (the last MAX_RETIRED of them)."""
+        """Keep a released cache as a donor of prefixes (the last MAX_RETIRED of them), in
+        place of the older donors it mostly repeats: those sharing at least half their
+        positions with it (`_repeats`), whose prefixes it supplies as far as that. Under a
+        soak's mix, donors of prompts alike in their first thousand tokens held 217 of a
+        target's 276 MiB of caches (2026-12-07); a system prompt's sessions are alike so."""
         if self.reuse_prefixes and sess.head is not None and sess.cache.length >= MIN_SHARED:
+            # a snapshot: a Release runs on the event loop, a new session's epoch on the engine thread
+            for key, (head, cache, _) in tuple(self._retired.items()):
+                if head == sess.head and _repeats(sess.cache, cache):
+                    self._retired.pop(key, None)
             self._retired[self._retired_count] = (sess.head, sess.cache, time.monotonic())
             self._retired_count += 1
             while len(self._retired) > MAX_RETIRED:
@@ -229,6 +237,13 @@ class SessionTable:
     def length(self, session_id: str) -> int | None:
         sess = self._sessions.get(session_id)
         return None if sess is None else sess.cache.length
+
+
+def _repeats(newer: KVCache, older: KVCache) -> bool:
+    """Whether `newer` holds at least half of `older`'s positions (a common prefix)."""
+    n = min(newer.length, older.length)
+    differ = np.flatnonzero(newer.ids[:n] != older.ids[:n])
+    return 2 * (int(differ[0]) if len(differ) else n) >= older.length
 
 
 def _head(tokens: list[int]) -> bytes | None:

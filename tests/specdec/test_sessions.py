@@ -71,7 +71,9 @@ def test_a_new_session_starts_from_the_longest_prefix_another_cache_holds(draft_
     # released caches stay donors (the last MAX_RETIRED), and the index forgets sessions
     for sid in ("a", "b", "c", "d", "e", "f"):
         assert table.release(sid)
-    assert not table._by_head and len(table) == 0 and len(table._retired) == 4  # a to d: e too short, f empty
+    # a to d (e too short, f empty), less those a newer one repeats at least half of: b
+    # shares 30 of a's 40 positions, c 30 of b's 33; d begins otherwise
+    assert not table._by_head and len(table) == 0 and len(table._retired) == 2
     assert _fed(table, "g", base + [9])[1] == len(base)  # c's whole prompt
     for i in range(MAX_RETIRED + 2):
         _fed(table, f"h{i}", [1000 + i] * 20)
@@ -79,6 +81,23 @@ def test_a_new_session_starts_from_the_longest_prefix_another_cache_holds(draft_
     assert len(table._retired) == MAX_RETIRED
     table.release("g")
     assert table.expire_idle(10.0, now=time.monotonic() + 11.0) == 0 and not table._retired
+
+
+def test_a_released_cache_replaces_the_donors_it_mostly_repeats(draft_model):
+    """A system prompt's sessions, released one after another, leave one donor of it, not
+    one each; a donor sharing less than half its positions with the newer stays."""
+    table = SessionTable(ModelRunner(draft_model, linear_kernels="aten"), max_sessions=16)
+    system = [(5 * i + 1) % 400 + 10 for i in range(24)]
+    for i in range(4):
+        _fed(table, f"q{i}", system + [500 + i] * 8)  # 24 of 32 positions shared
+        table.release(f"q{i}")
+    assert [cache.ids[24] for _, cache, _ in table._retired.values()] == [503]
+    _fed(table, "long", system[:16] + [600] * 40)  # shares 16 of the donor's 32: half, it goes
+    _fed(table, "short", system[:16] + [700] * 60)  # shares 16 of long's 56: long stays
+    table.release("long")
+    table.release("short")
+    assert [cache.length for _, cache, _ in table._retired.values()] == [56, 76]
+    assert _fed(table, "again", system[:16] + [600] * 41)[1] == 56  # long's prefix still found
 
 
 def test_released_donors_go_first_when_the_caches_bytes_are_over(draft_model):
