@@ -56,7 +56,7 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
                                    replica_pb2.ProposeAnswer, replica_pb2.ProposeAnswers)
 
     async def Release(self, request, context):
-        return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
+        return replica_pb2.ReleaseResponse(released=await self.host.release(request.session_id))
 
     async def Load(self, request, context):
         return self.host.load_report()

@@ -71,6 +71,8 @@ class MicroBatcher(Generic[Job, Result]):
         self._away: dict[Hashable, float] = {}  # EMA of its time between a result and its next call
         self._batch_seconds = 0.0  # moving average of a batch's engine time
         self._queue: list[tuple[Job, asyncio.Future]] = []
+        self._running: frozenset = frozenset()  # the sessions of the batch running now
+        self._batch_done = asyncio.Condition()
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._worker: asyncio.Task | None = None
@@ -94,6 +96,24 @@ class MicroBatcher(Generic[Job, Result]):
         self._queue.append((job, fut))
         self._wakeup.set()
         return await fut
+
+    async def settle(self, key: Hashable, error: Exception) -> int:
+        """Before a session is released: fail its queued calls with `error`, and wait for a
+        batch running one of them to end; → how many were failed. A Release can overtake
+        its session's last call (a pre-draft its orchestrator gave up on when the client
+        went away): run after it, that call would make the session anew, and its cache
+        would stay until the idle expiry (a soak's leftover, 2026-12-07)."""
+        if self.key is None:
+            return 0
+        mine = [fut for job, fut in self._queue if self.key(job) == key]
+        if mine:
+            self._queue = [(job, fut) for job, fut in self._queue if self.key(job) != key]
+            for fut in mine:
+                if not fut.done():
+                    fut.set_exception(error)
+        async with self._batch_done:
+            await self._batch_done.wait_for(lambda: key not in self._running)
+        return len(mine)
 
     def _expected(self) -> frozenset:
         """Sessions the recent batches served: who is likely on the way back."""
@@ -179,6 +199,8 @@ class MicroBatcher(Generic[Job, Result]):
                 self.busy = True
                 t0 = time.perf_counter()
                 jobs = [j for j, _ in live]
+                if self.key is not None:
+                    self._running = frozenset(self.key(job) for job in jobs)
                 try:
                     if self._inline(jobs):
                         results = self.run_batch(jobs)
@@ -188,6 +210,10 @@ class MicroBatcher(Generic[Job, Result]):
                     results = [exc] * len(live)
                 finally:
                     self.busy = False
+                    if self._running:
+                        self._running = frozenset()
+                        async with self._batch_done:
+                            self._batch_done.notify_all()
                 seconds = time.perf_counter() - t0
                 self._batch_seconds = seconds if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * seconds
                 if self.key is not None:

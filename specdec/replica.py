@@ -13,7 +13,7 @@ import torch
 from specdec import event_loop, metrics
 from specdec.batcher import MicroBatcher, full_tokens
 from specdec.config import redis_client, refusing_to_start, setup_logging
-from specdec.errors import SpecDecError
+from specdec.errors import CacheMismatch, SpecDecError
 from specdec.frame_server import FrameServer, MuxMethod
 from specdec.frames import server_ssl_context
 from specdec.gc_tuning import freeze_startup_heap
@@ -149,6 +149,13 @@ class ReplicaHost:
                            model=str(self.args.model), vocab_size=self.engine.runner.vocab_size,
                            dtype=dtype_name(self.engine.runner.dtype), kernels=self.engine.runner.kernels_summary,
                            frame_port=self.frame_port)
+
+    async def release(self, session_id: str) -> bool:
+        """Release a session's cache once no call of it is queued or running (`settle`);
+        → whether the replica held it."""
+        await self.batcher.settle(session_id, CacheMismatch(
+            f"session {session_id} was released while this call waited its turn"))
+        return self.engine.release(session_id)
 
     def load_report(self) -> replica_pb2.LoadReport:
         s = self.engine.sessions

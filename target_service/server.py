@@ -74,7 +74,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
                                    replica_pb2.VerifyAnswer, replica_pb2.VerifyAnswers)
 
     async def Release(self, request, context):
-        return replica_pb2.ReleaseResponse(released=self.host.engine.release(request.session_id))
+        return replica_pb2.ReleaseResponse(released=await self.host.release(request.session_id))
 
     async def Load(self, request, context):
         return self.host.load_report()

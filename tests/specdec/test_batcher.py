@@ -185,3 +185,30 @@ def test_a_stop_that_lands_with_a_new_call_still_stops():
         held.cancel()
 
     run(main())
+
+
+def test_a_release_fails_its_sessions_queued_calls_and_waits_out_its_running_one():
+    """settle(session): its calls still queued fail with the error given (run after the
+    Release they would make the session anew), others run; and it returns only once a
+    batch running one of its calls has ended."""
+    async def main():
+        rec = Recorder(0.2)
+        batcher = MicroBatcher(rec, key=session)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit("a0"))  # runs at once, for 0.2 s
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(batcher.submit(job)) for job in ("b0", "a1", "b1")]
+        await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        failed = await batcher.settle("a", RuntimeError("released"))
+        waited = time.monotonic() - t0
+        results = await asyncio.gather(first, *queued, return_exceptions=True)
+        assert await batcher.settle("c", RuntimeError("released")) == 0  # a session with no call: at once
+        await batcher.stop()
+        return failed, waited, results, rec.batches
+
+    failed, waited, results, batches = run(main())
+    assert failed == 1 and waited >= 0.1  # a0's batch had about 0.15 s left
+    assert results[0] == "A0" and results[1] == "B0" and results[3] == "B1"
+    assert isinstance(results[2], RuntimeError) and str(results[2]) == "released"
+    assert batches == [["a0"], ["b0", "b1"]]  # a1 never ran
