@@ -53,6 +53,7 @@ import signal
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -107,18 +108,24 @@ def parse_variant(text: str) -> Variant:
     return Variant(env, words, label)
 
 
+def replica_metrics(stack) -> Iterator[tuple[object, dict[str, float]]]:
+    """(replica, its Prometheus samples) of each live replica with a /metrics port that answers."""
+    for rep in stack.replicas:
+        if not rep.metrics_port or rep.proc.poll() is not None:
+            continue
+        try:
+            samples = scrape_metrics(rep.metrics_port)
+        except OSError:
+            continue
+        yield rep, samples
+
+
 def engine_shares(stack) -> dict[str, dict[str, float]]:
     """Of each replica with a /metrics port: its engine batches and seconds, and its share
     of the seconds of those replicas of its pool (how evenly the load fell between the
     variants whose memory a report compares)."""
     out = {}
-    for rep in stack.replicas:
-        if not rep.metrics_port or rep.proc.poll() is not None:
-            continue
-        try:
-            m = scrape_metrics(rep.metrics_port)
-        except OSError:
-            continue
+    for rep, m in replica_metrics(stack):
         pool = f'{{pool="{rep.kind}"}}'
         out[process_name(rep)] = {"kind": rep.kind, "batches": m.get(f"specdec_engine_seconds_count{pool}", 0.0),
                                   "seconds": m.get(f"specdec_engine_seconds_sum{pool}", 0.0),
@@ -206,13 +213,7 @@ def kv_cache_mib(stack) -> dict[str, float]:
     holds them too, and they come and go with the sessions (a long prompt's cache alone is
     tens of MiB on the target), so its memory less them is what tells a leak."""
     out = {}
-    for rep in stack.replicas:
-        if not rep.metrics_port or rep.proc.poll() is not None:
-            continue
-        try:
-            m = scrape_metrics(rep.metrics_port)
-        except OSError:
-            continue
+    for rep, m in replica_metrics(stack):
         held = m.get(f'specdec_replica_cache_bytes{{pool="{rep.kind}"}}')
         if held is not None:
             out[process_name(rep)] = held / 2**20
