@@ -152,11 +152,9 @@ class SessionTable:
         donors = [sess.cache for sess in live if sess is not None]
         donors += [cache for key, cache, _ in tuple(self._retired.values()) if key == head]
         for cache in donors:
-            n = min(cache.length, len(want))
-            if n <= shared:
+            if min(cache.length, len(want)) <= shared:
                 continue
-            differ = np.flatnonzero(cache.ids[:n] != want[:n])
-            common = int(differ[0]) if len(differ) else n
+            common = _common_prefix(cache.ids[:cache.length], want)
             if common > shared:
                 best, shared = cache, common
         if best is None:
@@ -239,11 +237,16 @@ class SessionTable:
         return None if sess is None else sess.cache.length
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids the two arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 def _repeats(newer: KVCache, older: KVCache) -> bool:
     """Whether `newer` holds at least half of `older`'s positions (a common prefix)."""
-    n = min(newer.length, older.length)
-    differ = np.flatnonzero(newer.ids[:n] != older.ids[:n])
-    return 2 * (int(differ[0]) if len(differ) else n) >= older.length
+    return 2 * _common_prefix(newer.ids[:newer.length], older.ids[:older.length]) >= older.length
 
 
 def _head(tokens: list[int]) -> bytes | None:
