@@ -48,12 +48,17 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
 def refusing_to_start(prog: str):
     """What goes wrong while a server starts because of how it was configured (a model or
     tokenizer that cannot load, kernels or a quantisation this machine cannot run, a secret
-    or certificate file that cannot be read) ends the process with one line naming the
-    problem, status 1, rather than a traceback."""
+    or certificate file that cannot be read, a device this machine lacks or whose memory
+    the model does not fit) ends the process with one line naming the problem, status 1,
+    rather than a traceback."""
+    from torch import OutOfMemoryError
+
     from specdec.models import ModelLoadError
 
     try:
         yield
+    except OutOfMemoryError as exc:
+        raise SystemExit(f"{prog}: cannot start: out of device memory while loading: {exc}") from None
     except (ModelLoadError, ValueError, OSError) as exc:
         raise SystemExit(f"{prog}: cannot start: {exc}") from None
 

@@ -30,18 +30,39 @@ class ModelLoadError(RuntimeError):
 
 
 def pick_device(name: str = "auto") -> torch.device:
+    """`--device`: auto (CUDA where present), cpu, cuda or cuda:N; anything else, or a GPU
+    this machine lacks, is refused with a line saying so (not torch's traceback)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {name!r} is not served; choose auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ModelLoadError(f"device {name!r} requested but this machine has {count} CUDA device(s)")
+    return device
+
+
+def cuda_dtype(major: int) -> torch.dtype:
+    """The default dtype on a CUDA device of compute capability `major`.x: bf16 where the
+    tensor cores take it (Ampere, 8.x, and later), else fp16. torch's
+    `is_bf16_supported()` counts emulation too, so it says yes on a T4 or V100 (7.x),
+    whose bf16 products then run without tensor cores."""
+    return torch.bfloat16 if major >= 8 else torch.float16
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 matmuls are slower there at batch 1), bf16 on GPU by default."""
+    """fp32 on CPU (bf16 matmuls are slower there at batch 1), bf16 on GPU by default (fp16
+    on GPUs before Ampere: `cuda_dtype`)."""
     if name == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return cuda_dtype(torch.cuda.get_device_capability(device)[0])
         return torch.float32
     if name not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")

@@ -42,6 +42,7 @@ def _start(module: str, *flags: str):
     (["--dtype", "bfloat16", "--quantize", "w8a8"],
      "draft_service: cannot start: w8a8 cannot serve this model: it serves float32 models on a CPU"),
     (["--dtype", "bfloat16", "--linear-kernels", "half"], "draft_service: cannot start: 16-bit weights cannot serve"),
+    (["--device", "gpu"], "draft_service: cannot start: unknown device 'gpu'; choose auto, cpu, cuda or cuda:N"),
 ])
 def test_a_replica_that_cannot_start_says_why_in_one_line(flags, words):
     """Configuration met at start-up (a missing model, kernels this model cannot use) ends

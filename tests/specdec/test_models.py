@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 
-from specdec.models import (ModelLoadError, check_pair, end_token_ids, load_model, load_tokenizer, pick_device,
-                            pick_dtype)
+from specdec.models import (ModelLoadError, check_pair, cuda_dtype, end_token_ids, load_model, load_tokenizer,
+                            pick_device, pick_dtype)
 
 
 def test_bundled_pair_is_accepted(bundled_paths):
@@ -41,6 +41,24 @@ def test_device_and_dtype_defaults():
     assert pick_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ModelLoadError):
         pick_dtype("float8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name, words", [
+    ("gpu", "unknown device 'gpu'; choose auto, cpu, cuda or cuda:N"),
+    ("cuda:x", "unknown device 'cuda:x'"),
+    ("meta", "device 'meta' is not served"),
+    ("cuda:7" if torch.cuda.is_available() else "cuda:0", "requested but"),
+])
+def test_a_device_this_machine_cannot_serve_on_is_refused_by_name(name, words):
+    with pytest.raises(ModelLoadError, match=words.replace("(", r"\(")):
+        pick_device(name)
+
+
+def test_gpus_before_ampere_default_to_fp16():
+    """bf16 only where the tensor cores take it: torch's is_bf16_supported() says yes on a
+    T4 or V100 (7.x) because it counts emulation."""
+    assert cuda_dtype(7) == torch.float16 and cuda_dtype(6) == torch.float16
+    assert cuda_dtype(8) == torch.bfloat16 and cuda_dtype(9) == torch.bfloat16
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
