@@ -116,6 +116,39 @@ class _Layer:
         return [self.qkv, self.o, self.gate_up, self.down]
 
 
+def aligned_mask(mask: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """[n, k] → [groups · n, k]: the mask once for each query head of a group, in a fresh
+    buffer whose start and row stride are multiples of 8 elements. CUDA's memory-efficient
+    attention, the SDPA kernel that takes a mask, refuses one whose data pointer is not
+    16-byte aligned ("attn_bias_ptr is not correctly aligned"), as a slice of the band
+    table that begins at an odd column is in 16 bits; torch pads a misaligned stride, not
+    a misaligned start."""
+    n, k = mask.shape
+    buf = torch.empty(groups, n, -(-k // 8) * 8, dtype=mask.dtype, device=mask.device)
+    buf[:, :, :k] = mask
+    return buf.view(groups * n, -1)[:, :k]
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, fold: bool = False) -> torch.Tensor:
+    """One session's attention: [H, n, D] queries over [KV, k, D] keys and values → [H, n,
+    D], query head h reading kv head h ÷ (H ÷ KV) as SDPA's `enable_gqa` does. With `fold`
+    (a GPU) the H ÷ KV query heads of a kv head become that many times n rows of one head
+    instead, `mask` already repeated as many times (`aligned_mask`): on CUDA, SDPA with
+    `enable_gqa` and a mask, as every verification of γ + 1 rows has, falls back to its math
+    kernel, which copies the keys and values out to every query head and materialises the
+    scores; folded, the memory-efficient kernel (a mask) or flash attention (none) takes
+    it, the same sums for each row."""
+    H, n, D = q.shape
+    KV = keys.shape[0]
+    if not fold or H == KV:
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=KV != H)[0]
+    rows = q.reshape(1, KV, (H // KV) * n, D)
+    out = F.scaled_dot_product_attention(rows, keys[None], values[None], attn_mask=mask, scale=scale)
+    return out.reshape(H, n, D)
+
+
 class ModelRunner:
     """Owns the model; knows nothing of sessions, sampling or the network."""
 
@@ -184,6 +217,9 @@ class ModelRunner:
         L = self.max_length
         offsets = torch.arange(L + self.BAND, device=self.device) - L
         self._band = self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
+        # on a GPU, SDPA's kernels want grouped query heads folded and masks aligned
+        # (`grouped_attention`, `aligned_mask`); a test turns this on to run that path here
+        self.device_layout = self.device.type != "cpu"
         self._decoder_layer = self._choose_fused(fuse_layers)
         self._final_rms_norm = None if self._decoder_layer is None else native.module().rms_norm
         self._whole = self._whole_model() if whole_forward else None
@@ -335,7 +371,7 @@ class ModelRunner:
                                      device=self.device)
         cos, sin = self._rotation(positions)
         if self._packed_attention is None:
-            masks, kvs = [self._mask(s, n) for s, n in zip(starts, lengths)], None
+            masks, kvs = [self._sdpa_mask(s, n) for s, n in zip(starts, lengths)], None
         else:  # the caches' buffers, which the reservations above have settled for this forward
             masks, kvs = None, [it.cache.kv for it in items]
         x = F.embedding(ids, self.embed)  # [N, hidden]
@@ -440,6 +476,15 @@ class ModelRunner:
         keys = torch.arange(start + n, device=self.device)
         return self._additive(keys[None] <= torch.arange(start, start + n, device=self.device)[:, None])
 
+    def _sdpa_mask(self, start: int, n: int) -> torch.Tensor | None:
+        """`_mask` as this device's SDPA takes it: as it is on a CPU; with `device_layout`
+        (a GPU) repeated for the query heads of a group (`grouped_attention` folds them
+        into rows) in a fresh aligned buffer (`aligned_mask`)."""
+        mask = self._mask(start, n)
+        if mask is None or not self.device_layout:
+            return mask
+        return aligned_mask(mask, self.num_heads // self.kv_heads)
+
     def _rotation(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 1, head_dim] cos and sign-folded sin for the fed positions."""
         if self._rope_static:
@@ -475,8 +520,7 @@ class ModelRunner:
         for it, s, n, mask, qi, kvi in zip(items, starts, lengths, masks, qs, kvs):
             it.cache.write(index, s, kvi)
             keys, values = it.cache.view(index, s + n)  # [kv_heads, s+n, dim]
-            outs.append(F.scaled_dot_product_attention(
-                qi, keys[None], values[None], attn_mask=mask, scale=self.scaling,
-                enable_gqa=KV != H)[0])  # [heads, n, dim]
+            outs.append(grouped_attention(qi[0], keys, values, mask, self.scaling,
+                                          fold=self.device_layout))  # [heads, n, dim]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return layer.o(out.transpose(0, 1).reshape(N, H * D))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specdec.model_runner import ForwardItem, ModelRunner
+from specdec.model_runner import ForwardItem, ModelRunner, aligned_mask, grouped_attention
 
 
 def reference_logits(model, ids):
@@ -68,10 +68,9 @@ def test_causal_mask_table_matches_the_definition(target_model):
         assert torch.equal(mask[~expected], torch.full_like(mask[~expected], float("-inf"))), (start, n)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_other_llama_family_models_match_hugging_face(family, tmp_path):
-    """Biases (Qwen2), per-head q/k norms (Qwen3), grouped-query attention: a tiny random
-    model of each family, saved and loaded back like any checkpoint."""
+def tiny_model(family, path):
+    """A tiny random model of `family` with grouped-query attention (4 heads, 2 kv heads),
+    saved and loaded back like any checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -83,8 +82,14 @@ def test_other_llama_family_models_match_hugging_face(family, tmp_path):
         for name, param in fresh.named_parameters():
             if "bias" in name or "norm" in name:
                 param.add_(0.2 * torch.randn_like(param))
-    fresh.save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    fresh.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_llama_family_models_match_hugging_face(family, tmp_path):
+    """Biases (Qwen2), per-head q/k norms (Qwen3), grouped-query attention."""
+    model = tiny_model(family, tmp_path)
     ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(3))
     ref = reference_logits(model, ids)
     runner = ModelRunner(model)
@@ -94,6 +99,56 @@ def test_other_llama_family_models_match_hugging_face(family, tmp_path):
     assert torch.allclose(first, ref[:24], atol=1e-4)
     assert torch.allclose(rest, ref[24:], atol=1e-4)
     assert torch.allclose(reference_logits(model, ids), ref)  # the HF modules still work on the fused weights
+
+
+def test_an_aligned_mask_is_the_mask_repeated_in_an_aligned_buffer():
+    band = torch.zeros(8, 300, dtype=torch.bfloat16)
+    band.masked_fill_(torch.rand(8, 300, generator=torch.Generator().manual_seed(4)) < 0.3, float("-inf"))
+    for start, n, groups in [(5, 3, 1), (0, 8, 2), (37, 5, 4), (211, 8, 3)]:
+        mask = band[:n, start : start + 2 * n + 7]
+        out = aligned_mask(mask, groups)
+        assert out.shape == (groups * n, mask.shape[1])
+        assert torch.equal(out, mask.repeat(groups, 1)), (start, n, groups)
+        # what CUDA's memory-efficient attention checks: 16-byte start, rows 8 elements apart
+        assert out.data_ptr() % 16 == 0 and out.stride(0) % 8 == 0 and out.stride(1) == 1
+    assert band[:3, 5:20].data_ptr() % 16 != 0  # a slice of the table is not
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_folded_query_heads_attend_as_grouped_query_attention(kv_heads):
+    """The GPU layout (each kv head's query heads folded into rows, the mask repeated) gives
+    what SDPA's enable_gqa gives, with a causal mask over a cache and without one."""
+    gen = torch.Generator().manual_seed(5)
+    H, n, start, D = 4, 5, 11, 16
+    q = torch.randn(H, n, D, generator=gen)
+    keys, values = torch.randn(2, kv_heads, start + n, D, generator=gen)
+    allowed = torch.arange(start + n)[None] <= torch.arange(start, start + n)[:, None]
+    mask = torch.zeros(n, start + n).masked_fill_(~allowed, float("-inf"))
+    expected = grouped_attention(q, keys, values, mask, 0.25)
+    folded = grouped_attention(q, keys, values, aligned_mask(mask, H // kv_heads), 0.25, fold=True)
+    assert torch.allclose(folded, expected, atol=1e-6)
+    one = q[:, -1:].contiguous()
+    assert torch.allclose(grouped_attention(one, keys, values, None, 0.25, fold=True),
+                          grouped_attention(one, keys, values, None, 0.25), atol=1e-6)
+
+
+@pytest.mark.parametrize("model_name", ["target", "qwen2"])
+def test_the_gpu_attention_layout_matches_hugging_face_here(model_name, target_model, tmp_path):
+    """The SDPA path as a GPU runs it (`device_layout`: query heads folded, masks aligned),
+    run on this CPU: prompts and verifications fed at every start modulo 8, the bundled
+    target (no grouped heads) and a grouped-query model, against Hugging Face's forward."""
+    model = target_model if model_name == "target" else tiny_model(model_name, tmp_path)
+    runner = ModelRunner(model, attention="sdpa", fuse_layers=False)
+    runner.device_layout = True
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, runner.vocab_size, (60,), generator=gen)
+    ref = reference_logits(model, ids)
+    cache, start = runner.new_cache(), 0
+    for n in (9, 1, 5, 3, 5, 6, 2, 5, 7, 5, 4, 8):  # starts 9, 10, 15, 18, 23, 29, 31, 36, 43, 48, 52
+        out = runner.forward([ForwardItem(cache, ids[start : start + n], n)])[0]
+        assert torch.allclose(out, ref[start : start + n], atol=1e-4), (start, n)
+        start += n
+    assert start == 60
 
 
 def test_a_batch_invariant_runner_gives_a_session_the_same_bits_in_any_company(target_model):
