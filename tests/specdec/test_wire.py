@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import native, sampling
-from specdec.wire import EncodedDistributions, decode, drop_first_rows, encode, quantize
+from specdec.wire import EncodedDistributions, _encode_on_device, decode, drop_first_rows, encode, quantize
 
 
 def _rows(gamma: int, vocab: int, keep: int | None, seed: int = 0) -> torch.Tensor:
@@ -141,6 +141,21 @@ def test_native_encoding_is_the_operators_to_the_bit(monkeypatch, isa, vocab, ke
     assert natively.sparse == (keep is not None and keep * 3 < vocab)
     assert torch.equal(decode(natively, 6), _normalised(q16))
     assert encode(q16.t().contiguous().t()) == by_operators  # a strided block takes the operators
+
+
+@pytest.mark.parametrize("vocab,keep", [(4096, None), (4096, 40), (64, 30), (5, None)])
+def test_the_gpu_encoding_is_the_hosts_to_the_bit(vocab, keep):
+    """On a GPU the draft counts and picks the entries on the device and copies only what
+    travels (`_encode_on_device`, run here on CPU tensors): the same bytes as on a CPU,
+    dense or sparse, fp16 subnormals and zeros included."""
+    q16 = _rows(6, vocab, keep=keep, seed=vocab + 7)
+    if keep is None:
+        q16[1, ::3] = 0.0
+        q16[2, :] = 0.0
+        q16[2, -1] = 2.0 ** -24
+        q16[2, 0] = 2.0 ** -15 + 2.0 ** -20
+    assert _encode_on_device(q16) == encode(q16)
+    assert _encode_on_device(q16).sparse == (keep is not None and keep * 3 < vocab)
 
 
 def test_point_masses_decode_to_exact_one_hots_and_refuse_tokens_outside_the_vocabulary():
