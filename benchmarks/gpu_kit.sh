@@ -9,9 +9,11 @@
 #       .git/info/exclude) with Python 3.12 wheels of our pinned packages and this machine's
 #       redis-server with the libraries a base image lacks (about 27 MB);
 #   device run, carry [".gpukit"], command "bash benchmarks/gpu_kit.sh run", timeout 540:
-#       installs the wheels into /tmp/site, checks CUDA, runs the benchmark with a bf16
-#       target and draft on the GPU, and leaves RESULTS-gpu.md, speedup-gpu.png and the log
-#       under $OUT. Copy them into benchmarks/ and add the table to README.md.
+#       installs the wheels into /tmp/site, checks CUDA, runs benchmarks.cuda_check (the
+#       paths only a GPU takes, against references: about a minute; cuda-check.log), then
+#       the benchmark with a bf16 target and draft on the GPU, and leaves RESULTS-gpu.md,
+#       speedup-gpu.png and the logs under $OUT. Copy them into benchmarks/ and add the
+#       table to README.md.
 #
 # `run` also takes extra arguments for benchmarks.bench (e.g. --repeats 1 to fit the lease).
 set -euo pipefail
@@ -61,6 +63,8 @@ EOF
 print(torch.__version__, torch.cuda.get_device_name(), 'transformers', transformers.__version__, 'grpc', grpc.__version__)"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
     set -o pipefail
+    python3 -m benchmarks.cuda_check 2>&1 | tee "$OUT/cuda-check.log" ||
+        echo "cuda_check: some checks failed (cuda-check.log); the benchmark runs all the same"
     python3 -m benchmarks.bench --device cuda --dtype bfloat16 --draft-dtype bfloat16 \
         --out "$OUT/RESULTS-gpu.md" --plot "$OUT/speedup-gpu.png" "$@" 2>&1 | tee "$OUT/bench-gpu.log"
 }
@@ -68,5 +72,5 @@ print(torch.__version__, torch.cuda.get_device_name(), 'transformers', transform
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

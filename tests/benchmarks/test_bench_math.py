@@ -180,6 +180,7 @@ def test_the_gpu_kit_explains_itself_and_refuses_to_run_off_the_device(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     assert usage.returncode == 2 and "bash benchmarks/gpu_kit.sh prepare" in usage.stdout
+    assert usage.stdout.rstrip().endswith("(e.g. --repeats 1 to fit the lease).")  # the whole header
     refused = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert refused.returncode != 0 and "run on the device machine" in refused.stderr
 

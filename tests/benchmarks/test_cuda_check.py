@@ -1,0 +1,37 @@
+"""The GPU's checks (benchmarks/cuda_check.py, run first on a lent GPU machine) run here with
+the GPU's layout forced, so that the script works when a device comes, and fail where the
+layout does not give Hugging Face's numbers."""
+import torch
+
+from benchmarks import cuda_check
+from specdec import model_runner
+
+
+def test_the_gpu_checks_pass_here_with_the_gpu_layout(capsys):
+    assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("forward ") == 4 and out.count("wire ") == 2 and out.count("loop ") == 1
+    assert "FAIL" not in out and out.rstrip().endswith("all checks passed")
+
+
+def test_a_wrong_fold_of_the_query_heads_fails_the_grouped_model_only(capsys, monkeypatch):
+    right = model_runner.grouped_attention
+
+    def unfolded(q, keys, values, mask, scale, fold=False):  # heads paired with the wrong kv heads
+        if fold and q.shape[0] != keys.shape[0]:
+            q = q.flip(0)
+        return right(q, keys, values, mask, scale, fold)
+
+    monkeypatch.setattr(model_runner, "grouped_attention", unfolded)
+    assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "8"]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("forward")]
+    assert [line.endswith("ok") for line in lines] == [True, True, False, False], lines
+
+
+def test_an_unknown_device_is_a_usage_error(capsys):
+    try:
+        cuda_check.main(["--device", "gpu"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "unknown device 'gpu'" in capsys.readouterr().err
+    assert torch.device("cpu")  # nothing else was loaded
