@@ -84,6 +84,8 @@ class DraftEngine:
                 live.append(i)
             except SpecDecError as exc:
                 results[i] = exc
+        self.sessions.make_room([(caches[i], jobs[i].ref.start + jobs[i].forward_size) for i in live
+                                 if not jobs[i].fork], busy)
         # a new session's cache may hold a copied prefix of its tokens already (SessionTable.acquire)
         feed = {i: torch.tensor(jobs[i].ref.tokens[caches[i].length - jobs[i].ref.start:], dtype=torch.long)
                 for i in live}

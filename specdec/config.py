@@ -130,7 +130,9 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                          "malloc_trim, a few ms) at most this often, between batches (default 30); 0 = never "
                          "[SPECDEC_HEAP_TRIM_SECONDS]")
     ap.add_argument("--max-cache-mb", type=int, default=int(env("MAX_CACHE_MB", 0)),
-                    help="KV-cache bytes held before LRU eviction, 0 = no limit [SPECDEC_MAX_CACHE_MB]")
+                    help="KV-cache MiB held before eviction, checked as sessions are created and as their "
+                         "caches grow: released prefix donors go first, then the least recently used idle "
+                         "sessions (their next call rebuilds); 0 = no limit [SPECDEC_MAX_CACHE_MB]")
     ap.add_argument("--prefix-reuse", choices=("on", "off"), default=env("PREFIX_REUSE", "on"),
                     help="on: a new session whose first tokens (at least 16) another held session's cache "
                          "holds starts from a copy of them instead of computing them again (a shared system "

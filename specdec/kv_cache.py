@@ -53,6 +53,13 @@ class KVCache:
         """Bytes held by this session's buffer (allocated, not only used)."""
         return self.kv.numel() * self.kv.element_size()
 
+    def growth_bytes(self, length: int) -> int:
+        """Bytes `reserve(length)` would add to this cache's buffer (0 where it has room)."""
+        if length <= self.capacity:
+            return 0
+        cap = grown_capacity(self.capacity, min(length, self.max_length), self.max_length)
+        return (cap - self.capacity) * (self.nbytes // self.capacity)
+
     def reserve(self, length: int) -> None:
         """Make room for `length` positions (`grown_capacity`), keeping what is stored."""
         if length > self.max_length:

@@ -173,11 +173,27 @@ class SessionTable:
                     del self._by_head[sess.head]
         return sess
 
-    def _evict_for(self, new_sessions: int, busy: set[str]) -> None:
-        """Evict least-recently-used idle sessions until the new ones fit."""
+    def make_room(self, needs: list[tuple[KVCache, int]], busy: set[str]) -> None:
+        """Before a batch writes: room under `max_cache_bytes` for its caches to grow to the
+        lengths they need, by evicting released donors, then the least recently used idle
+        sessions. Caches grow as their sessions decode (`KVCache.reserve`), which the check
+        at a session's creation alone never saw: live sessions grew past the budget while
+        idle ones stayed held (on a GPU, into an out-of-memory error that fails a whole
+        batch). Where only the batch's own sessions are left, the batch grows past the budget
+        rather than fail sessions mid-answer; the next new session is then refused."""
+        if not self.max_cache_bytes:
+            return
+        extra = sum(cache.growth_bytes(length) for cache, length in needs)
+        if extra:
+            self._evict_for(0, busy, extra, refuse=False)
+
+    def _evict_for(self, new_sessions: int, busy: set[str], extra_bytes: int = 0, refuse: bool = True) -> None:
+        """Evict least-recently-used idle sessions until the new ones (and `extra_bytes`)
+        fit; where no idle one is left, refuse (RESOURCE_EXHAUSTED) or, without `refuse`,
+        leave it."""
         while True:
             count_over = len(self._sessions) + new_sessions > self.max_sessions
-            bytes_over = bool(self.max_cache_bytes) and self.cache_bytes > self.max_cache_bytes
+            bytes_over = bool(self.max_cache_bytes) and self.cache_bytes + extra_bytes > self.max_cache_bytes
             if not (count_over or bytes_over):
                 return
             if bytes_over and self._retired:  # released donors go first
@@ -185,8 +201,14 @@ class SessionTable:
                 continue
             victim = next((sid for sid in self._sessions if sid not in busy), None)
             if victim is None:
-                raise Overloaded(f"replica is full: {len(self._sessions)} sessions in use "
-                                 f"(max {self.max_sessions}); retry later or add replicas")
+                if not refuse:
+                    return
+                if count_over:
+                    raise Overloaded(f"replica is full: {len(self._sessions)} sessions in use "
+                                     f"(max {self.max_sessions}); retry later or add replicas")
+                raise Overloaded(f"replica is full: its {len(self._sessions)} sessions' KV caches hold "
+                                 f"{self.cache_bytes / 2**20:.0f} MiB (max {self.max_cache_bytes / 2**20:.0f}) "
+                                 "and all are in use; retry later or add replicas")
             self._drop(victim)
             self.evictions += 1
 

@@ -97,7 +97,7 @@ class TargetEngine:
         results: list[Verdict | SpecDecError | None] = [None] * len(jobs)
         busy = {j.ref.session_id for j in jobs}
         last = {j.ref.session_id: i for i, j in enumerate(jobs)}
-        live, items, resynced = [], [], {}
+        live, caches, items, resynced = [], [], [], {}
         for i, job in enumerate(jobs):
             try:
                 if last[job.ref.session_id] != i:
@@ -109,11 +109,16 @@ class TargetEngine:
             except SpecDecError as exc:
                 results[i] = exc
                 continue
+            caches.append(cache)
+            live.append(i)
+        self.sessions.make_room([(cache, jobs[i].ref.start + jobs[i].forward_size)
+                                 for i, cache in zip(live, caches)], busy)
+        for i, cache in zip(live, caches):
+            job = jobs[i]
             fed = job.ref.tokens + job.draft_tokens
             cache.write_ids(job.ref.start, fed)
             tokens = torch.tensor(fed[cache.length - job.ref.start:], dtype=torch.long)
             items.append(ForwardItem(cache, tokens, len(tokens) if job.fed_logprobs else len(job.draft_tokens) + 1))
-            live.append(i)
         if live:
             logits = self.runner.forward_packed(items)  # [Σ (γ + 1), V]
             self.forward_passes += 1

@@ -270,3 +270,24 @@ def test_a_penalised_proposal_drafts_from_the_penalised_law_counting_what_native
     assert got.tokens == expected[len(context):]
     unpenalised = engine.propose([ProposeJob(CacheRef("t", 1, 0, context), 5, SamplingParams(0.0))])[0]
     assert unpenalised.tokens != got.tokens  # the penalty bites here
+
+
+def test_a_growing_session_evicts_an_idle_one_under_the_cache_budget(draft_model):
+    """--max-cache-mb holds as the draft's caches grow too: proposals whose session grows
+    past the budget evict the idle session, and draft as an engine without a budget does."""
+    runner = ModelRunner(draft_model)
+    budget = DraftEngine(runner, max_cache_bytes=700 * runner.bytes_per_token())
+    free = DraftEngine(runner)
+    greedy = SamplingParams(temperature=0.0)
+    drafts = {budget: [], free: []}
+    for engine in (budget, free):
+        engine.propose([ProposeJob(CacheRef("idle", 1, 0, [5] * 20), 4, greedy)])
+        committed = [7] * 30
+        for _ in range(12):  # 30 tokens, then 44 a round: the cache grows to 672 positions
+            start = len(committed) - (30 if not drafts[engine] else 44)
+            proposal = engine.propose([ProposeJob(CacheRef("long", 1, start, committed[start:]), 4, greedy)])[0]
+            drafts[engine].append(proposal.tokens)
+            committed += proposal.tokens + [3] * 40
+    assert drafts[budget] == drafts[free]
+    assert "idle" not in budget.sessions and budget.sessions.evictions == 1 and "idle" in free.sessions
+    assert budget.sessions.cache_bytes <= budget.sessions.max_cache_bytes < free.sessions.cache_bytes

@@ -38,3 +38,12 @@ def test_a_cache_keeps_what_it_stored_as_it_grows_and_refuses_past_its_context()
     assert cache.capacity == 200
     with pytest.raises(ValueError, match="exceeds the model context of 200"):
         cache.reserve(201)
+
+
+def test_growth_bytes_is_what_a_reserve_adds():
+    cache = KVCache(3, 2, 8, dtype=torch.float32, device=torch.device("cpu"), capacity=64, max_length=300)
+    for length in (10, 64, 65, 140, 299, 300):
+        before, promised = cache.nbytes, cache.growth_bytes(length)
+        cache.reserve(length)
+        assert cache.nbytes - before == promised, length
+    assert cache.growth_bytes(300) == 0

@@ -113,3 +113,31 @@ def test_released_donors_go_first_when_the_caches_bytes_are_over(draft_model):
     assert len(table._retired) == 0 and len(table) == 3 and table.evictions == 0  # the donor went, no session
     _fed(table, "e", [14] * 20)
     assert table.evictions == 1 and "b" not in table  # then the least recently used session
+
+
+def test_growing_caches_make_room_under_the_bytes_budget(draft_model):
+    """A budget checked at creation alone let live sessions grow past it while idle ones
+    stayed: the growth a batch is about to make evicts donors, then idle sessions."""
+    from specdec.errors import Overloaded
+
+    runner = ModelRunner(draft_model, linear_kernels="aten")
+    per_position = runner.new_cache().nbytes // runner.new_cache().capacity
+    table = SessionTable(runner, max_sessions=8, max_cache_bytes=700 * per_position)
+    _fed(table, "idle", [3] * 20)  # 128 positions
+    _fed(table, "donor", list(range(20, 50)))
+    table.release("donor")
+    busy = _fed(table, "busy", [5] * 20)[0]
+    assert table.cache_bytes == 3 * 128 * per_position and table.evictions == 0
+    table.make_room([(busy, 300)], {"busy"})  # to 384 positions: 640 in all
+    assert len(table._retired) == 1 and table.evictions == 0
+    table.make_room([(busy, 400)], {"busy"})  # to 512: 768 in all, over 700
+    assert not table._retired and "idle" in table and table.evictions == 0  # the donor first
+    table.make_room([(busy, 500)], {"busy"})  # to 640: with idle's 128, over
+    assert "idle" not in table and table.evictions == 1
+    busy.reserve(500)
+    assert table.cache_bytes <= table.max_cache_bytes
+    table.make_room([(busy, 700)], {"busy"})  # more than the budget, nothing idle: it grows over
+    busy.reserve(700)
+    assert "busy" in table and table.cache_bytes > table.max_cache_bytes
+    with pytest.raises(Overloaded, match=r"KV caches hold \d+ MiB \(max \d+\) and all are in use"):
+        table.acquire(CacheRef("new", 1, 0, [7] * 20), exact=True, busy={"busy"})

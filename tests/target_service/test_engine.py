@@ -259,3 +259,33 @@ def test_processed_logprobs_are_the_sampled_laws_beside_raw_ones_in_one_batch(ta
         assert torch.allclose(top[torch.isfinite(top)], values[torch.isfinite(values)], atol=1e-4)
         if laws[b].greedy:  # one-hot: the argmax's log-probability is 0, every other −inf
             assert a.logprobs == [0.0] * len(kept) and torch.isinf(top[:, 1:]).all()
+
+
+def test_sessions_that_grow_evict_idle_ones_under_the_cache_budget(target_model):
+    """A replica's --max-cache-mb holds while its sessions decode, not only when one is
+    created: a session growing past the budget evicts the idle one, whose next call is
+    told to rebuild, and the verdicts are those of an engine without a budget."""
+    from specdec.errors import CacheMismatch
+
+    runner = ModelRunner(target_model)
+    per_position = runner.bytes_per_token()
+    budget = TargetEngine(runner, max_cache_bytes=700 * per_position)
+    free = TargetEngine(runner)
+    greedy = SamplingParams(temperature=0.0)
+    for engine in (budget, free):
+        assert engine.verify([VerifyJob(CacheRef("idle", 1, 0, [5] * 20), [], None, greedy)])[0].cache_length == 20
+    state, verdicts = {e: ([7] * 30, 0) for e in (budget, free)}, {budget: [], free: []}
+    for _ in range(12):  # 30 tokens, then 41-49 more a round: the cache grows to 672 positions
+        for engine in (budget, free):
+            committed, held = state[engine]
+            verdict = engine.verify([VerifyJob(CacheRef("long", 1, held, committed[held:]), [9] * 8, None,
+                                               greedy)])[0]
+            verdicts[engine].append((verdict.accepted, verdict.next_token))
+            # the kept tokens, and 40 more committed as if from other rounds
+            state[engine] = (committed + [9] * verdict.accepted + [verdict.next_token] + [3] * 40,
+                             verdict.cache_length)
+    assert verdicts[budget] == verdicts[free]
+    assert "idle" not in budget.sessions and budget.sessions.evictions == 1 and "idle" in free.sessions
+    assert budget.sessions.cache_bytes <= budget.sessions.max_cache_bytes < free.sessions.cache_bytes
+    again = budget.verify([VerifyJob(CacheRef("idle", 1, 20, [6]), [], None, greedy)])[0]
+    assert isinstance(again, CacheMismatch) and "rebuild from start 0" in str(again)
