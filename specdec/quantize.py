@@ -37,6 +37,9 @@ def resolve(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     lose precision: none."""
     if mode not in CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(CHOICES)}, not {mode!r}")
+    if mode == "int8" and device.type != "cpu":
+        raise ValueError(f"int8 weights are a CPU's option (its native kernel streams them); on {device.type} "
+                         "they would only cost the draft precision, and memory for the int8 copies: use none")
     if mode != "auto":
         return mode
     from specdec import native

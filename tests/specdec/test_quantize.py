@@ -184,7 +184,10 @@ def test_auto_quantises_a_float32_model_on_a_cpu_only():
     assert quantize.resolve("auto", CPU, torch.bfloat16) == "none"
     assert quantize.resolve("auto", torch.device("cuda"), torch.bfloat16) == "none"
     assert quantize.resolve("none", CPU, torch.float32) == "none"
-    assert quantize.resolve("int8", torch.device("cuda"), torch.bfloat16) == "int8"
+    assert quantize.resolve("int8", CPU, torch.bfloat16) == "int8"  # asked for: the aten products then
+    # on a GPU int8 weights would save nothing (no kernel streams them there) and keep their copies
+    with pytest.raises(ValueError, match="int8 weights are a CPU's option .* on cuda"):
+        quantize.resolve("int8", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="quantize must be one of auto, none, int8, w8a8"):
         quantize.resolve("int4", CPU, torch.float32)
     with pytest.raises(ValueError, match="quantize must be one of none, int8, w8a8"):
