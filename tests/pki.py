@@ -39,15 +39,16 @@ def make_ca(cn: str):
     return key, cert
 
 
-def issue(ca, cn: str, usage) -> tuple[bytes, bytes]:
-    """→ (certificate PEM, key PEM) signed by the CA, valid for 127.0.0.1 and localhost."""
+def issue(ca, cn: str, usage, dns_names: tuple[str, ...] | None = None) -> tuple[bytes, bytes]:
+    """→ (certificate PEM, key PEM) signed by the CA, valid for 127.0.0.1 and localhost, or
+    for `dns_names` alone (no address); `usage` one extended key usage or a list of them."""
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
+    names = ([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] if dns_names is None
+             else [x509.DNSName(name) for name in dns_names])
     cert = (_builder(_name(cn), ca_cert.subject, key.public_key())
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 

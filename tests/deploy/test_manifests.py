@@ -29,6 +29,7 @@ KNOWN_SPECDEC_ENV = {
         "REDIS_PASSWORD_FILE", "DEVICE", "DTYPE", "METRICS_PORT", "MAX_SESSIONS", "DRAIN_SECONDS",
         "THREADS", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "API_TOKEN_FILE",
         "MAX_CACHE_MB", "MAX_BATCH", "LOG_LEVEL", "LOG_FORMAT", "QUANTIZE", "FRAME_PORT",
+        "POOL_CA_FILE", "CLIENT_CERT_FILE", "CLIENT_KEY_FILE", "POOL_TLS_SERVER_NAME",
         "MODELS",  # the model download Job's own list
     )
 }
@@ -438,6 +439,48 @@ def test_gpu_overlays_take_secrets_from_the_cluster_and_enable_tls(rendered, ove
         assert env["SPECDEC_TLS_CERT_FILE"] == "/var/run/secrets/specdec/tls/tls.crt"
         assert env["SPECDEC_TLS_KEY_FILE"] == "/var/run/secrets/specdec/tls/tls.key"
         assert env["SPECDEC_TLS_CA_FILE"] == "/var/run/secrets/specdec/tls/ca.crt"
+    # the orchestrator dials the pools with the same certificate, checking theirs for a
+    # Service name (replicas register pod IPs); tests/e2e/test_security.py runs it
+    env = container_env(objs, main_container(objs, "orchestrator"))
+    assert (env["SPECDEC_POOL_CA_FILE"], env["SPECDEC_CLIENT_CERT_FILE"], env["SPECDEC_CLIENT_KEY_FILE"]) == (
+        "/var/run/secrets/specdec/tls/ca.crt", "/var/run/secrets/specdec/tls/tls.crt",
+        "/var/run/secrets/specdec/tls/tls.key")
+    assert env["SPECDEC_POOL_TLS_SERVER_NAME"] == "specdec-draft.specdec.svc"
+    for pool in POOLS:
+        assert "SPECDEC_POOL_CA_FILE" not in container_env(objs, main_container(objs, pool))
+
+
+def _quantity(value: str) -> float:
+    """A Kubernetes quantity of CPU or memory → cores or GiB."""
+    units = {"m": 1e-3, "Mi": 2**-10, "Gi": 1.0}
+    for unit, scale in units.items():
+        if value.endswith(unit):
+            return float(value[: -len(unit)]) * scale
+    return float(value)
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_rollouts_wait_for_the_models_and_fit_the_gpu_nodes(rendered, overlay):
+    """A first install waits for an 18 GB download and then a startup probe of up to 15
+    minutes: the default 600 s progress deadline failed it (and `deploy apply` with it). A
+    pool replaces pods one at a time without a surge pod that would wait for a spare GPU,
+    from at least two replicas. The draft's requests fit a 4-vCPU, 16 GiB GPU node."""
+    objs = rendered[overlay]
+    for component in SERVICES:
+        spec = find(objs, "Deployment", f"specdec-{component}")["spec"]
+        probe = spec["template"]["spec"]["containers"][0]["startupProbe"]
+        budget = probe["failureThreshold"] * probe.get("periodSeconds", 10) + probe.get("initialDelaySeconds", 0)
+        assert spec["progressDeadlineSeconds"] >= budget + 1800, component
+    for pool in POOLS:
+        spec = find(objs, "Deployment", f"specdec-{pool}")["spec"]
+        assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+        scalers = [o for o in objs if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
+                   and o["spec"]["scaleTargetRef"]["name"] == f"specdec-{pool}"]
+        assert len(scalers) == 1
+        low = scalers[0]["spec"].get("minReplicas", scalers[0]["spec"].get("minReplicaCount"))
+        assert low >= 2, f"{pool}: one pod down in a rollout must leave one serving"
+    requests = main_container(objs, "draft")["resources"]["requests"]
+    assert _quantity(requests["cpu"]) <= 3.5 and _quantity(requests["memory"]) <= 12
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

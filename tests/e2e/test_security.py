@@ -20,7 +20,7 @@ from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.registry import PREFIX, ReplicaInfo
 from specdec.v1 import orchestrator_pb2_grpc as pb_grpc
 from tests.e2e.helpers import request
-from tests.pki import make_ca, write_pki
+from tests.pki import issue, make_ca, write_pki
 
 pytestmark = pytest.mark.e2e
 TOKEN = "s3cret-token-for-tests"
@@ -158,3 +158,53 @@ def test_redis_requires_its_password_and_no_secret_is_logged(secure_stack):
     logs = "".join(p.read_text(errors="replace") for p in secure_stack.workdir.glob("*.log"))
     assert "serving" in logs  # the servers did log
     assert TOKEN not in logs and REDIS_PASSWORD not in logs
+
+
+def test_the_gpu_overlays_tls_settings_generate_through_pools_named_by_their_services(bundled_paths, tmp_path):
+    """Each server of the gpu overlay started with the TLS settings its rendered container
+    gets (its SPECDEC_TLS_*, and the orchestrator's pool ones, the Secret's mount being here
+    a directory of the same three files), under one certificate for all, server and client,
+    that names the Services and localhost only, as the README's cert-manager Certificate
+    does, while the replicas register addresses it does not name. Without the orchestrator's
+    pool settings it dialled the pools in plaintext and every generation failed."""
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from deploy.render import render_objects
+
+    objs = render_objects("gpu")
+    mount = "/var/run/secrets/specdec/tls"
+    ca = make_ca("specdec test CA")
+    cert, key = issue(ca, "specdec", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                      dns_names=("localhost", "specdec-orchestrator", "specdec-orchestrator.specdec.svc",
+                                 "specdec-draft.specdec.svc", "specdec-target.specdec.svc"))
+    ca_pem = ca[1].public_bytes(serialization.Encoding.PEM)
+    for name, data in (("ca.crt", ca_pem), ("tls.crt", cert), ("tls.key", key)):
+        (tmp_path / name).write_bytes(data)
+
+    def tls_flags(component: str) -> list[str]:
+        deployment = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == f"specdec-{component}")
+        env = {v["name"]: v["value"] for v in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+               if "value" in v}
+        flags = []
+        for name, value in env.items():
+            if "TLS" in name or name in ("SPECDEC_POOL_CA_FILE", "SPECDEC_CLIENT_CERT_FILE", "SPECDEC_CLIENT_KEY_FILE"):
+                flags += ["--" + name.removeprefix("SPECDEC_").lower().replace("_", "-"), value.replace(mount, str(tmp_path))]
+        return flags
+
+    assert "--pool-ca-file" in tls_flags("orchestrator") and "--tls-ca-file" in tls_flags("target")
+    stack = LocalStack()
+    try:
+        stack.start_redis()
+        for kind in ("target", "draft"):
+            stack.start_replica(kind, wait=False, extra=tls_flags(kind))
+        orchestrator = stack.start_orchestrator(wait=False, extra=tls_flags("orchestrator"))
+        stack.wait_registered(1, 1, timeout=300)
+        channel = grpc.secure_channel(orchestrator.address, grpc.ssl_channel_credentials(ca_pem),
+                                      options=[("grpc.ssl_target_name_override", "specdec-orchestrator")])
+        grpc.channel_ready_future(channel).result(timeout=300)
+        stub = pb_grpc.OrchestratorStub(channel)
+        resp = stub.Generate(request("def handler(event):\n", 16, 0.0, gamma=3), timeout=120)
+        assert len(resp.token_ids) == 16
+        assert resp.stats.drafted_tokens > 0, "the draft pool was not reached over mutual TLS"
+    finally:
+        stack.stop()
