@@ -61,7 +61,12 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1 \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
-    SPECDEC_KERNEL_CACHE=/opt/specdec-kernels
+    SPECDEC_KERNEL_CACHE=/opt/specdec-kernels \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib
+# LD_LIBRARY_PATH above: where GKE's GPU device plugin mounts the driver's libraries
+# (libcuda.so.1), as the nvidia/cuda images set it; without it a GPU replica there finds no
+# CUDA and refuses to start. Elsewhere the NVIDIA container runtime puts them on the linker's
+# own path and the entry is an empty directory's.
 RUN groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \
       --shell /usr/sbin/nologin specdec

@@ -42,6 +42,13 @@ def test_runs_as_uid_10001_with_python_m_entrypoint():
     assert any("--uid 10001" in run for run in instructions("RUN"))
 
 
+def test_gpu_driver_libraries_mounted_by_gke_are_found():
+    """GKE's device plugin mounts libcuda.so.1 under /usr/local/nvidia/lib64, which a slim
+    Python base image does not search (the nvidia/cuda images set this path)."""
+    env = " ".join(instructions("ENV"))
+    assert re.search(r"LD_LIBRARY_PATH=\S*/usr/local/nvidia/lib64", env), env
+
+
 def test_the_image_leaves_out_the_deploy_tooling():
     assert any("deploy\\/requirements\\.txt/d" in run for run in instructions("RUN"))
 
