@@ -630,3 +630,40 @@ def test_the_dashboard_queries_parse_and_read_exported_metrics(rendered):
     used = metrics_named(exprs)
     assert {"specdec_time_to_first_token_seconds_bucket", "specdec_generated_tokens_total"} <= used
     assert not used - _exported_metric_names(), "the dashboard names metrics nobody exports"
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_each_gpu_pod_waits_for_its_own_model_in_the_stores_marker(rendered, overlay, tmp_path):
+    """The download Job lists the models it fetched in the marker (the ones there before
+    kept), and each pod's init container waits until its own model is listed: a model
+    changed later is waited for, not loaded from a store that lacks it. Both scripts run
+    here, the store a directory and the download a stand-in (no hub can be reached)."""
+    import subprocess
+    import sys
+
+    objs = rendered[overlay]
+    job = find(objs, "Job", "specdec-models-download")["spec"]["template"]["spec"]["containers"][0]
+    fetched = container_env(objs, job)["SPECDEC_MODELS"].split()
+    script = job["args"][0].replace("/models/", f"{tmp_path}/")
+    (tmp_path / "huggingface_hub.py").write_text("def snapshot_download(repo, **kw):\n    print('stand-in', repo)\n")
+    (tmp_path / ".specdec-ready").write_text("some/earlier-model\n")
+
+    def waits(component: str) -> bool:
+        spec = find(objs, "Deployment", f"specdec-{component}")["spec"]["template"]["spec"]
+        init = next(c for c in spec["initContainers"] if c["name"] == "wait-for-models")
+        env = container_env(objs, spec["containers"][0])
+        want = init["env"][0]["value"]
+        assert want == env.get("SPECDEC_MODEL", env.get("SPECDEC_TOKENIZER")) and want in fetched, component
+        command = [part.replace("/models/", f"{tmp_path}/") for part in init["command"]]
+        try:
+            subprocess.run(command, env={"WANT": want, "PATH": os.environ["PATH"]}, timeout=1, capture_output=True)
+        except subprocess.TimeoutExpired:
+            return True
+        return False
+
+    assert all(waits(c) for c in SERVICES)  # nothing fetched yet
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "SPECDEC_MODELS": " ".join(fetched), "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / ".specdec-ready").read_text().split() == sorted(fetched + ["some/earlier-model"])
+    assert not any(waits(c) for c in SERVICES)
