@@ -306,6 +306,7 @@ def test_gpu_pools_land_on_their_node_pools_with_hf_models(rendered, overlay):
         assert env["SPECDEC_MODEL"] == model
         assert (env["SPECDEC_DEVICE"], env["SPECDEC_DTYPE"]) == ("cuda", dtypes[component])
         assert env["HF_HUB_OFFLINE"] == "1"
+        assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # caches regrow: less fragmentation
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "specdec-models", "readOnly": True}
     assert find(objs, "PersistentVolumeClaim", "specdec-models")["spec"]["accessModes"] == ["ReadWriteMany"]
