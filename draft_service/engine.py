@@ -83,7 +83,9 @@ class DraftEngine:
                              else self.sessions.acquire(job.ref, exact=False, busy=busy)[0])
                 live.append(i)
             except SpecDecError as exc:
-                results[i] = exc
+                # a refusal travels as a value: without its traceback, which would hold this
+                # frame (the batch's logits and caches) in a cycle until the cyclic GC ran
+                results[i] = exc.with_traceback(None)
         self.sessions.make_room([(caches[i], jobs[i].ref.start + jobs[i].forward_size) for i in live
                                  if not jobs[i].fork], busy)
         # a new session's cache may hold a copied prefix of its tokens already (SessionTable.acquire)

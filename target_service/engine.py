@@ -107,7 +107,9 @@ class TargetEngine:
                 cache, resynced[i] = self.sessions.acquire(job.ref, exact=True, busy=busy,
                                                            reuse=not job.fed_logprobs)
             except SpecDecError as exc:
-                results[i] = exc
+                # a refusal travels as a value: without its traceback, which would hold this
+                # frame (the batch's logits and caches) in a cycle until the cyclic GC ran
+                results[i] = exc.with_traceback(None)
                 continue
             caches.append(cache)
             live.append(i)

@@ -291,3 +291,22 @@ def test_a_growing_session_evicts_an_idle_one_under_the_cache_budget(draft_model
     assert drafts[budget] == drafts[free]
     assert "idle" not in budget.sessions and budget.sessions.evictions == 1 and "idle" in free.sessions
     assert budget.sessions.cache_bytes <= budget.sessions.max_cache_bytes < free.sessions.cache_bytes
+
+
+def test_a_refused_proposal_leaves_no_cycle_holding_the_batch(draft_model):
+    import gc
+
+    from specdec.errors import InvalidRequest
+
+    engine = DraftEngine(ModelRunner(draft_model))
+    greedy = SamplingParams(temperature=0.0)
+    gc.collect()
+    gc.disable()
+    try:
+        out = engine.propose([ProposeJob(CacheRef("a", 1, 0, [5] * 20), 4, greedy),
+                              ProposeJob(CacheRef("b", 1, 0, [5] * 20), 99, greedy)])  # γ out of range
+        assert isinstance(out[1], InvalidRequest) and out[1].__traceback__ is None
+        del out
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -289,3 +289,25 @@ def test_sessions_that_grow_evict_idle_ones_under_the_cache_budget(target_model)
     assert budget.sessions.cache_bytes <= budget.sessions.max_cache_bytes < free.sessions.cache_bytes
     again = budget.verify([VerifyJob(CacheRef("idle", 1, 20, [6]), [], None, greedy)])[0]
     assert isinstance(again, CacheMismatch) and "rebuild from start 0" in str(again)
+
+
+def test_a_refused_job_leaves_no_cycle_holding_the_batch(target_model):
+    """A refusal is returned as a value: with its traceback it held the verify frame (the
+    batch's logits, on a GPU tens of MB) in a reference cycle until the cyclic GC ran."""
+    import gc
+
+    from specdec.errors import CacheMismatch
+
+    engine = TargetEngine(ModelRunner(target_model))
+    greedy = SamplingParams(temperature=0.0)
+    engine.verify([VerifyJob(CacheRef("a", 1, 0, [5] * 20), [], None, greedy)])
+    gc.collect()
+    gc.disable()
+    try:
+        out = engine.verify([VerifyJob(CacheRef("a", 1, 20, [7]), [9] * 4, None, greedy),
+                             VerifyJob(CacheRef("b", 1, 5, [3]), [], None, greedy)])  # b is not held
+        assert isinstance(out[1], CacheMismatch) and out[1].__traceback__ is None
+        del out
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
