@@ -8,7 +8,7 @@ import torch
 from draft_service.engine import DraftEngine, ProposeJob
 from specdec import event_loop
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, value_or_raise
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_DRAFT
@@ -36,9 +36,7 @@ class DraftServicer(replica_pb2_grpc.DraftServicer):
             raise InvalidRequest(f"stop_below must lie in [0, 1), got {request.stop_below}")
         job = ProposeJob(ref_from_pb(request.cache), request.num_tokens, params_from_pb(request.sampling),
                          request.guess_bonus, request.stop_below, request.runner_ups, request.fork)
-        result = await self.host.batcher.submit(job)
-        if isinstance(result, Exception):
-            raise result
+        result = value_or_raise(await self.host.batcher.submit(job))
         return replica_pb2.ProposeResponse(
             draft_tokens=result.tokens, cache_length=result.cache_length, compute_ms=result.compute_ms,
             batch_size=result.batch_size, distributions=distributions_pb(result.q),

@@ -45,3 +45,17 @@ class Unavailable(SpecDecError):
 
 class DeadlineExceeded(SpecDecError):
     """The client's deadline passed before the work was done (DEADLINE_EXCEEDED)."""
+
+
+def value_or_raise(result):
+    """An engine's result for one job: the value, or its refusal raised. Raised here, not in
+    the caller, and unbound as it leaves: a caller that held the refusal in a local while
+    raising it made a reference cycle (the error's traceback holds the caller's frame, and
+    the frame the error) that kept the frame's request and job (a verification's draft
+    distributions) alive until the cyclic collector ran."""
+    if isinstance(result, Exception):
+        try:
+            raise result
+        finally:
+            del result
+    return result

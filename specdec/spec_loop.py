@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec import rounds
-from specdec.errors import SpecDecError
+from specdec.errors import value_or_raise
 from specdec.sampling import SamplingParams
 from specdec.wire import decode, encode
 
@@ -48,12 +48,6 @@ class LoopResult:
     finish_reason: str
 
 
-def _unwrap(result):
-    if isinstance(result, SpecDecError):
-        raise result
-    return result
-
-
 def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma: int,
              max_new_tokens: int, eos_id: int | None = None, session_id: str = "local",
              through_wire: bool = True) -> LoopResult:
@@ -74,7 +68,8 @@ def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma
             draft_tokens, q = [], None
             if g:
                 t0 = time.perf_counter()
-                prop = _unwrap(draft.propose([ProposeJob(rounds.draft_ref(session_id, 1, committed, cur), g, params)])[0])
+                job = ProposeJob(rounds.draft_ref(session_id, 1, committed, cur), g, params)
+                prop = value_or_raise(draft.propose([job])[0])
                 draft_tokens, q = prop.tokens, prop.q
                 if q is not None and through_wire:  # exactly what the distributed pipeline sends
                     q = decode(encode(q), g)
@@ -83,7 +78,7 @@ def generate(draft, target, prompt_ids: list[int], params: SamplingParams, gamma
                 stats.draft_ms += (time.perf_counter() - t0) * 1000
             t0 = time.perf_counter()
             ref = rounds.target_ref(session_id, 1, committed, cur)
-            verdict = _unwrap(target.verify([VerifyJob(ref, draft_tokens, q, params)])[0])
+            verdict = value_or_raise(target.verify([VerifyJob(ref, draft_tokens, q, params)])[0])
             stats.verify_ms += (time.perf_counter() - t0) * 1000
             new = rounds.new_tokens(draft_tokens, verdict.accepted, verdict.next_token)
             kept = len(new)

@@ -5,7 +5,7 @@ import argparse
 
 from specdec import event_loop, sampling, shaping
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, value_or_raise
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
@@ -53,10 +53,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         q = distributions_from_pb(request.distributions, gamma, self.host.engine.runner.vocab_size, params.greedy)
         job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q, params, request.logprobs,
                         request.top_logprobs, request.fed_logprobs, request.processed_logprobs)
-        result = await self.host.batcher.submit(job)
-        if isinstance(result, Exception):
-            raise result
-        reply = verdict_to_pb(result)
+        reply = verdict_to_pb(value_or_raise(await self.host.batcher.submit(job)))
         # say what was applied (a replica from before these fields leaves them unset)
         reply.min_p, reply.processed_logprobs = params.min_p, request.processed_logprobs
         reply.shaped = shaping.shapes(params)
