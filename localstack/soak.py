@@ -86,6 +86,7 @@ ENDPOINTS_LAG_S = 0.5  # how long calls still go to an orchestrator after its SI
 # long a client goes on sending a cut call again with its request id
 KILLED_LEASE_S = 2.0
 RESUME_WINDOW_S = 30.0
+HELD_RETRY_S = 0.2  # between EndSessions refused while a call still holds the session
 
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
@@ -467,10 +468,13 @@ async def stream_once(front: Front, req: pb.GenerateRequest, tally: Tally, timeo
 
 
 async def end_session(front: Front, session: str, tally: Tally, timeout: float) -> None:
-    """EndSession, sent again where its orchestrator stopped under it; a session found gone
-    by such a retry was ended by the attempt that was cut."""
-    retried = False
-    for attempt in range(REDIRECTS + 1):
+    """EndSession, sent again where its orchestrator stopped under it, or while a call still
+    holds the session (ABORTED, "in use": the answer says to retry once it ends, which for a
+    call cut by its orchestrator's death is within that orchestrator's lease), for up to
+    RESUME_WINDOW_S; a session found gone by such a retry was ended by the attempt that was
+    cut."""
+    retried, attempt, since = False, 0, time.perf_counter()
+    while True:
         address, stub = front.stub()
         try:
             await stub.EndSession(pb.EndSessionRequest(session_id=session), timeout=timeout)
@@ -478,8 +482,14 @@ async def end_session(front: Front, session: str, tally: Tally, timeout: float) 
         except grpc.aio.AioRpcError as exc:
             if retried and exc.code() == grpc.StatusCode.NOT_FOUND:
                 return
-            if front.redirect(address, exc, attempt) or exc.code() == grpc.StatusCode.CANCELLED and address in front.drained:
+            if attempt < REDIRECTS and (front.redirect(address, exc, attempt) or
+                                        exc.code() == grpc.StatusCode.CANCELLED and address in front.drained):
+                retried, attempt = True, attempt + 1
+                continue
+            held = exc.code() == grpc.StatusCode.ABORTED and "in use by another call" in (exc.details() or "")
+            if held and time.perf_counter() - since <= RESUME_WINDOW_S:
                 retried = True
+                await asyncio.sleep(HELD_RETRY_S)
                 continue
             tally.fail(f"EndSession {exc.code().name}", exc)
             return
