@@ -1,7 +1,7 @@
 """The GPU's checks (benchmarks/cuda_check.py, run first on a lent GPU machine) run here with
 the GPU's layout forced, so that the script works when a device comes, and fail where the
 layout does not give Hugging Face's numbers."""
-import torch
+import pytest
 
 from benchmarks import cuda_check
 from specdec import model_runner
@@ -29,9 +29,7 @@ def test_a_wrong_fold_of_the_query_heads_fails_the_grouped_model_only(capsys, mo
 
 
 def test_an_unknown_device_is_a_usage_error(capsys):
-    try:
+    with pytest.raises(SystemExit) as exit_:
         cuda_check.main(["--device", "gpu"])
-    except SystemExit as exc:
-        assert exc.code == 2
+    assert exit_.value.code == 2
     assert "unknown device 'gpu'" in capsys.readouterr().err
-    assert torch.device("cpu")  # nothing else was loaded
