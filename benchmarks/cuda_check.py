@@ -2,10 +2,13 @@
 `benchmarks/gpu_kit.sh run` does on a lent GPU machine before `make bench` there, so that a
 short lease shows what fails on CUDA, and where, before the benchmark's numbers.
 
-- the runner's forward (SDPA per session: masks in aligned buffers, grouped query heads
-  folded into rows) against Hugging Face's own, prompts and verifications fed at every start
-  modulo 8, on the bundled target and on a tiny random grouped-query model, float32 and the
-  16-bit dtype of the device;
+- the runner's forward against Hugging Face's own, prompts and verifications fed at every
+  start modulo 8, with SDPA per session (masks in aligned buffers, grouped query heads
+  folded into rows) and with the paged caches' batched attention (a GPU's default), on the
+  bundled target and on a tiny random grouped-query model, float32 and the 16-bit dtype of
+  the device;
+- a paged batch: sessions of other lengths, a prefill among verifications, a rollback and a
+  fork, every session's logits against Hugging Face's over its text;
 - the draft's wire encoding on the device against the host's, byte for byte;
 - the in-process speculative loop on the device: greedy token-identical to target-only
   greedy, and seeded t = 1 reproducible.
@@ -54,28 +57,66 @@ def _tiny_gqa(path: str):
     return path
 
 
-def check_forward(name: str, path, device: torch.device, dtype: torch.dtype, force_layout: bool) -> bool:
-    """float32: the runner's logits within FP32_ATOL of Hugging Face's. 16 bits: the
-    runner's as near to Hugging Face's float32 logits as Hugging Face's own forward in
-    those 16 bits is (HALF_SLACK times its error, or FP32_ATOL)."""
+def _judge(outs: list[torch.Tensor], texts: list[torch.Tensor], model, path, device, dtype) -> tuple[bool, str]:
+    """float32: the runner's logits (the last rows of each text) within FP32_ATOL of Hugging
+    Face's. 16 bits: as near to Hugging Face's float32 logits as Hugging Face's own forward
+    in those 16 bits is (HALF_SLACK times its error, or FP32_ATOL)."""
+    from specdec.models import load_model
+
+    refs = [_hf_logits(model, ids)[-len(out):] for out, ids in zip(outs, texts)]
+    if dtype == torch.float32:
+        diff = max((out - ref).abs().max().item() for out, ref in zip(outs, refs))
+        return diff <= FP32_ATOL, f"max |Δ| against Hugging Face's {diff:.2e}"
+    exact_model = load_model(path, device, torch.float32)
+    exact = [_hf_logits(exact_model, ids)[-len(out):] for out, ids in zip(outs, texts)]
+    diff = max((out - e).abs().max().item() for out, e in zip(outs, exact))
+    theirs = max((ref - e).abs().max().item() for ref, e in zip(refs, exact))
+    return diff <= max(HALF_SLACK * theirs, FP32_ATOL), f"max |Δ| against float32 {diff:.2e}, Hugging Face's own {theirs:.2e}"
+
+
+def check_forward(name: str, path, device: torch.device, dtype: torch.dtype, force_layout: bool,
+                  attention: str = "sdpa") -> bool:
+    """One session fed in chunks at every start modulo 8 (`_judge`)."""
     from specdec.model_runner import ModelRunner
     from specdec.models import load_model
 
     model = load_model(path, device, dtype)
     ids = torch.randint(0, model.config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(1))
-    ref = _hf_logits(model, ids)
-    runner = ModelRunner(model, attention="sdpa", fuse_layers=False)
+    runner = ModelRunner(model, attention=attention, fuse_layers=False)
     runner.device_layout = runner.device_layout or force_layout
-    out = _runner_logits(runner, ids)
-    if dtype == torch.float32:
-        diff = (out - ref).abs().max().item()
-        ok, words = diff <= FP32_ATOL, f"max |Δ| against Hugging Face's {diff:.2e}"
-    else:
-        exact = _hf_logits(load_model(path, device, torch.float32), ids)
-        diff, theirs = (out - exact).abs().max().item(), (ref - exact).abs().max().item()
-        ok = diff <= max(HALF_SLACK * theirs, FP32_ATOL)
-        words = f"max |Δ| against float32 {diff:.2e}, Hugging Face's own {theirs:.2e}"
-    print(f"forward  {name:7s} {str(dtype):15s} {words}  {'ok' if ok else 'FAIL'}")
+    ok, words = _judge([_runner_logits(runner, ids)], [ids], model, path, device, dtype)
+    print(f"forward  {name:7s} {attention:5s} {str(dtype):15s} {words}  {'ok' if ok else 'FAIL'}")
+    return ok
+
+
+def check_paged_batch(name: str, path, device: torch.device, dtype: torch.dtype, force_layout: bool) -> bool:
+    """Rounds of a paged batch: four sessions (a 70-token prefill among them) fed 1–9
+    tokens a round, a rejected token rolled back now and then, a fork of one joining midway
+    (`_judge`, every round)."""
+    from specdec.model_runner import ForwardItem, ModelRunner
+    from specdec.models import load_model
+
+    model = load_model(path, device, dtype)
+    runner = ModelRunner(model, attention="paged")
+    runner.device_layout = runner.device_layout or force_layout
+    gen, V = torch.Generator().manual_seed(4), model.config.vocab_size
+    feeds = [torch.randint(0, V, (n,), generator=gen) for n in (3, 70, 17, 1)]
+    caches, texts, verdicts = [runner.new_cache() for _ in feeds], [torch.empty(0, dtype=torch.long)] * 4, []
+    for step in range(4):
+        if step == 2:
+            caches.append(caches[1].fork(40, 60))
+            texts.append(texts[1][:40])
+            feeds.append(torch.randint(0, V, (5,), generator=gen))
+        outs = [o.cpu() for o in runner.forward([ForwardItem(c, f, len(f)) for c, f in zip(caches, feeds)])]
+        verdicts.append(_judge(outs, [torch.cat([t, f]) for t, f in zip(texts, feeds)], model, path, device, dtype))
+        for i, (c, f) in enumerate(zip(caches, feeds)):
+            keep = len(f) - (len(f) > 1 and (step + i) % 2)
+            texts[i] = torch.cat([texts[i], f[:keep]])
+            c.truncate(len(texts[i]))
+        feeds = [torch.randint(0, V, (1 + (step + i) % 9,), generator=gen) for i in range(len(caches))]
+    ok = all(good for good, _ in verdicts)
+    words = next((words for good, words in verdicts if not good), verdicts[-1][1])  # the first failing round's
+    print(f"batch    {name:7s} paged {str(dtype):15s} {words}  {'ok' if ok else 'FAIL'}")
     return ok
 
 
@@ -98,7 +139,7 @@ def check_wire(device: torch.device) -> bool:
     return ok
 
 
-def check_loop(device: torch.device, dtype: torch.dtype, prompts: int, tokens: int) -> bool:
+def check_loop(device: torch.device, dtype: torch.dtype, prompts: int, tokens: int, attention: str = "auto") -> bool:
     """Greedy speculation token-identical to target-only greedy in float32; in 16 bits the
     products may round a verification's rows otherwise than one row's (cuBLAS picks its
     kernels by shape), so there the first difference is shown, not judged. A seeded t = 1
@@ -110,8 +151,8 @@ def check_loop(device: torch.device, dtype: torch.dtype, prompts: int, tokens: i
     from specdec.sampling import SamplingParams
     from target_service.engine import TargetEngine
 
-    draft = DraftEngine(ModelRunner(load_model(BUNDLED_DRAFT, device, dtype)), 64)
-    target = TargetEngine(ModelRunner(load_model(BUNDLED_TARGET, device, dtype)), 64)
+    draft = DraftEngine(ModelRunner(load_model(BUNDLED_DRAFT, device, dtype), attention=attention), 64)
+    target = TargetEngine(ModelRunner(load_model(BUNDLED_TARGET, device, dtype), attention=attention), 64)
     gen = torch.Generator().manual_seed(3)
     strict, ok = dtype == torch.float32, True
     for i in range(prompts):
@@ -128,7 +169,7 @@ def check_loop(device: torch.device, dtype: torch.dtype, prompts: int, tokens: i
         passed = repeat and (same or not strict)
         ok &= passed
         greedy_words = "==" if same else f"differs from token {differ}" if differ is not None else "!="
-        print(f"loop     prompt {i} {str(dtype):15s} greedy {greedy_words} target-only "
+        print(f"loop     prompt {i} {target.runner.attention:5s} {str(dtype):15s} greedy {greedy_words} target-only "
               f"(α {spec.stats.acceptance_rate:.2f}), seeded t=1 {'repeats' if repeat else 'DIFFERS'} "
               f"({time.perf_counter() - t0:.1f} s)  {'ok' if passed else 'FAIL'}")
     return ok
@@ -166,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tiny:
         for name, path in (("target", BUNDLED_TARGET), ("gqa", _tiny_gqa(tiny))):
             for dtype in (torch.float32, half):
-                ok &= _run(check_forward, name, path, device, dtype, force)
+                for attention in ("sdpa", "paged"):
+                    ok &= _run(check_forward, name, path, device, dtype, force, attention)
+                ok &= _run(check_paged_batch, name, path, device, dtype, force)
     ok &= _run(check_wire, device)
-    for dtype in (torch.float32, half) if device.type == "cuda" else (torch.float32,):
-        ok &= _run(check_loop, device, dtype, args.prompts, args.tokens)
+    for dtype in (torch.float32, half) if device.type == "cuda" else (torch.float32,):  # auto: paged on a GPU
+        ok &= _run(check_loop, device, dtype, args.prompts, args.tokens, "auto" if device.type == "cuda" else "paged")
     print("all checks passed" if ok else "some checks FAILED")
     return 0 if ok else 1
 

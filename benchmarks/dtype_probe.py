@@ -16,7 +16,10 @@ and each dtype's ratio to the first.
 kernels it picks at start-up (specdec.linear_kernels), and `--attention sdpa,native`
 torch's attention per session with specdec.native's one call per layer: every (dtype,
 kernels, attention) combination is a runner of its own, the first the reference.
-`--model models/draft --quantize none,int8,w8a8` compares a draft's 16-bit weights with its
+`--attention sdpa,paged` compares attention per session with one over a batch of paged
+caches (specdec.paged_attention: a GPU's default), and `--count-ops` prints the torch
+operators each forward dispatches (the kernels a GPU launches, give or take the views
+among them; a native kernel's call is none). `--model models/draft --quantize none,int8,w8a8` compares a draft's 16-bit weights with its
 int8 ones and with int8 weights and activations (specdec.quantize; a draft replica's
 `--quantize`), and `--fuse on,layers,off` the native fusions.
 
@@ -31,6 +34,8 @@ import statistics
 import time
 
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.costs import sync_device
 from specdec.linear_kernels import MODES
@@ -75,6 +80,26 @@ class Shape:
         return (time.perf_counter() - t0) * 1000
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operators dispatched while on, and those of them that are not views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.compute = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.compute += torch.Tag.view_copy not in func.tags and not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(case: "Shape") -> tuple[int, int]:
+    """(operators, of which not views) of one forward of `case`."""
+    with OpCounter() as counter:
+        case.forward_ms()
+    return counter.ops, counter.compute
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dtype_probe", description=__doc__.split("\n\n")[1])
     ap.add_argument("--model", default=str(BUNDLED_TARGET), help="model directory (default: the bundled target)")
@@ -83,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default="auto",
                     help="the runners' linear kernels to compare, of auto, aten, onednn (default auto)")
     ap.add_argument("--attention", default="auto",
-                    help="the runners' attention to compare, of auto, native, sdpa (default auto)")
+                    help="the runners' attention to compare, of auto, native, sdpa, paged (default auto)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="also print the torch operators one forward of each dispatches (untimed)")
     ap.add_argument("--fuse", default="on",
                     help="native fusion: on (each layer one call, and a whole forward one call where it can), "
                          "layers (each layer one call only), off, or a list such as on,layers,off to compare "
@@ -109,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if not kernels or set(kernels) - set(MODES):
         raise SystemExit(f"--kernels takes names of {', '.join(MODES)}, got {args.kernels!r}")
     attention = [a.strip() for a in args.attention.split(",") if a.strip()]
-    if not attention or set(attention) - {"auto", "native", "sdpa"}:
-        raise SystemExit(f"--attention takes names of auto, native, sdpa, got {args.attention!r}")
+    if not attention or set(attention) - {"auto", "native", "sdpa", "paged"}:
+        raise SystemExit(f"--attention takes names of auto, native, sdpa, paged, got {args.attention!r}")
     fuse = [f.strip() for f in args.fuse.split(",") if f.strip()]
     if not fuse or set(fuse) - {"on", "layers", "off"}:
         raise SystemExit(f"--fuse takes on, layers, off or a list of them, got {args.fuse!r}")
@@ -153,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{n} {statistics.median(times[(n, s)]):.3f} ms" + ("" if n == names[0] else
                  f" ({statistics.median(times[(n, s)]) / ref:.2f}×)") for n in names]
         print(f"{s[0]:>3} session(s) × {s[1]} token(s): " + ", ".join(cells))
+    if args.count_ops:
+        print("torch operators per forward (of which not views)")
+        for s in shapes:
+            counts = [count_ops(cases[(n, s)]) for n in names]
+            print(f"{s[0]:>3} session(s) × {s[1]} token(s): "
+                  + ", ".join(f"{n} {ops} ({compute})" for n, (ops, compute) in zip(names, counts)))
     return 0
 
 

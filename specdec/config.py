@@ -115,9 +115,12 @@ def add_replica_args(ap: argparse.ArgumentParser, pool: str, default_model: str)
                          "specdec/linear_kernels.py), aten (F.linear: MKL), onednn (packed once), half "
                          "(16-bit weights where that loses nothing); a GPU always uses F.linear under auto "
                          "[SPECDEC_LINEAR_KERNELS]")
-    ap.add_argument("--attention", choices=("auto", "native", "sdpa"), default=env("ATTENTION", "auto"),
-                    help="auto (native on a CPU in float32, else sdpa), native (every session's attention "
-                         "of a layer in one C++ call) or sdpa (torch's, per session) [SPECDEC_ATTENTION]")
+    ap.add_argument("--attention", choices=("auto", "native", "sdpa", "paged"), default=env("ATTENTION", "auto"),
+                    help="auto (native on a CPU in float32, paged on a GPU, else sdpa), native (every "
+                         "session's attention of a layer in one C++ call), sdpa (torch's, per session) or "
+                         "paged (the sessions' caches in blocks of one pool, shared by prefix reuse, and a "
+                         "few calls a layer for a whole batch; with --max-cache-mb the pool is that size "
+                         "from the start) [SPECDEC_ATTENTION]")
     ap.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 256)),
                     help="sessions held before LRU eviction of idle ones [SPECDEC_MAX_SESSIONS]")
     ap.add_argument("--session-idle-seconds", type=float, default=float(env("SESSION_IDLE_SECONDS", 600)),

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec import native
+from specdec import native, paged_attention
 from specdec.kv_cache import KVCache
+from specdec.paged_cache import BlockPool, PagedKVCache
 from specdec.linear_kernels import KERNELS, KernelTable, Product, prepare
 from specdec.quantize import MODES as quantize_modes, quantize_linears_, w8a8_unavailable
 from specdec.sampling import SamplingParams
@@ -162,7 +163,10 @@ class ModelRunner:
         packed products) or "half" (16-bit weights, where that loses nothing).
         `attention`: "native" (every session's attention of a layer in one call of
         specdec.native's packed_attention: float32 on a CPU), "sdpa" (torch's
-        scaled_dot_product_attention per session) or "auto" (native where it can run).
+        scaled_dot_product_attention per session), "paged" (paged caches in one pool,
+        specdec.paged_cache, and a few calls a layer for the whole batch,
+        specdec.paged_attention) or "auto" (native where it can run, else paged on a GPU
+        and sdpa on a CPU).
         `fuse_layers`: where both are native (16-bit products, native attention, a plain
         Llama layer), run each layer as one call of specdec.native's decoder_layer, and
         with `whole_forward` a forward whose rows all take those products as one call of
@@ -204,7 +208,8 @@ class ModelRunner:
         self.head = self._product([output], column_major)
         self.vocab_size = output.weight.shape[0]
         self.kernel_timings = self._choose_kernels(linear_kernels)
-        self._packed_attention = self._choose_attention(attention)
+        self.paged = attention == "paged" or (attention == "auto" and self.device.type != "cpu")
+        self._packed_attention = None if self.paged else self._choose_attention(attention)
         self.act = F.silu if cfg.hidden_act == "silu" else model.model.layers[0].mlp.act_fn
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
                 and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
@@ -220,6 +225,8 @@ class ModelRunner:
         # on a GPU, SDPA's kernels want grouped query heads folded and masks aligned
         # (`grouped_attention`, `aligned_mask`); a test turns this on to run that path here
         self.device_layout = self.device.type != "cpu"
+        self.pool = BlockPool(len(self.layers), self.kv_heads, self.head_dim, dtype=self.dtype,
+                              device=self.device) if self.paged else None
         self._decoder_layer = self._choose_fused(fuse_layers)
         self._final_rms_norm = None if self._decoder_layer is None else native.module().rms_norm
         self._whole = self._whole_model() if whole_forward else None
@@ -257,8 +264,8 @@ class ModelRunner:
 
     def _choose_attention(self, mode: str):
         """specdec.native's packed_attention, or None for torch's SDPA per session."""
-        if mode not in ("auto", "native", "sdpa"):
-            raise ValueError(f"attention must be auto, native or sdpa, not {mode!r}")
+        if mode not in ("auto", "native", "sdpa", "paged"):
+            raise ValueError(f"attention must be auto, native, sdpa or paged, not {mode!r}")
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if mode == "sdpa" or (mode == "auto" and not fits):
             return None
@@ -310,7 +317,7 @@ class ModelRunner:
 
     @property
     def attention(self) -> str:
-        return "sdpa" if self._packed_attention is None else "native"
+        return "paged" if self.paged else "sdpa" if self._packed_attention is None else "native"
 
     @property
     def batch_invariant(self) -> bool:
@@ -338,7 +345,9 @@ class ModelRunner:
         sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
         return cos[0], sin
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> KVCache | PagedKVCache:
+        if self.paged:
+            return PagedKVCache(self.pool, self.max_length)
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, dtype=self.dtype,
                        device=self.device, max_length=self.max_length)
 
@@ -370,7 +379,11 @@ class ModelRunner:
             positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
                                      device=self.device)
         cos, sin = self._rotation(positions)
-        if self._packed_attention is None:
+        if self.paged:  # one plan for every layer (the reservations above have settled the blocks)
+            fold = self.num_heads // self.kv_heads if self.device_layout else 1
+            masks, kvs = paged_attention.plan([it.cache for it in items], starts, lengths, self.BAND, fold,
+                                              self.dtype, self.device), None
+        elif self._packed_attention is None:
             masks, kvs = [self._sdpa_mask(s, n) for s, n in zip(starts, lengths)], None
         else:  # the caches' buffers, which the reservations above have settled for this forward
             masks, kvs = None, [it.cache.kv for it in items]
@@ -510,6 +523,9 @@ class ModelRunner:
         if kvs is not None:  # every session's cache write and attention in one native call
             out = self._packed_attention(qkv, H, KV, kvs, starts, lengths, index, self.scaling)
             return layer.o(out)
+        if self.paged:  # `masks` is the forward's paged_attention.Plan
+            return layer.o(paged_attention.attend(self.pool.kv[index], qkv, H, KV, masks, self.scaling,
+                                                  self.device_layout))
         kv = qkv[:, H:].transpose(0, 1)  # [2 × kv_heads, N, dim]
         q = qk[:, :H].transpose(0, 1)  # [heads, N, dim]
         if len(items) == 1:

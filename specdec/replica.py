@@ -40,6 +40,8 @@ def build_runner(args: argparse.Namespace, prog: str = "replica") -> ModelRunner
         quantize = resolve_quantize(getattr(args, "quantize", "none"), device, dtype)  # a draft's option only
         runner = ModelRunner(load_model(args.model, device, dtype), linear_kernels=args.linear_kernels,
                              attention=args.attention, quantize=quantize)
+        if runner.pool is not None and args.max_cache_mb > 0:  # the budget's blocks at once: no growth copies
+            runner.pool.reserve(args.max_cache_mb * 2**20 // runner.pool.block_bytes)
     log.info("loaded %s on %s as %s in %.1fs; %s", args.model, device, dtype, time.perf_counter() - t0,
              runner.kernels_summary)
     return runner

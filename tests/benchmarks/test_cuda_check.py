@@ -10,7 +10,8 @@ from specdec import model_runner
 def test_the_gpu_checks_pass_here_with_the_gpu_layout(capsys):
     assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
-    assert out.count("forward ") == 4 and out.count("wire ") == 2 and out.count("loop ") == 1
+    assert out.count("forward ") == 8 and out.count("batch ") == 4 and out.count("wire ") == 2
+    assert out.count("loop ") == 1 and "loop     prompt 0 paged" in out
     assert "FAIL" not in out and out.rstrip().endswith("all checks passed")
 
 
@@ -25,7 +26,23 @@ def test_a_wrong_fold_of_the_query_heads_fails_the_grouped_model_only(capsys, mo
     monkeypatch.setattr(model_runner, "grouped_attention", unfolded)
     assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "8"]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("forward")]
-    assert [line.endswith("ok") for line in lines] == [True, True, False, False], lines
+    # SDPA per session takes the fold; the paged batch's attention does not
+    assert [line.endswith("ok") for line in lines] == [True] * 4 + [False, True, False, True], lines
+
+
+def test_a_paged_mask_that_lets_a_query_see_the_next_key_fails_every_paged_check(capsys, monkeypatch):
+    from specdec import paged_attention
+
+    right = paged_attention._group
+
+    def leaky(members, caches, starts, lengths, offsets, fold, dtype, device):
+        return right(members, caches, [s + 1 for s in starts], lengths, offsets, fold, dtype, device)
+
+    monkeypatch.setattr(paged_attention, "_group", leaky)
+    assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "8"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert all(line.endswith("FAIL") for line in out if line.startswith("batch"))
+    assert all(line.endswith("FAIL") == (" paged " in line) for line in out if line.startswith("forward"))
 
 
 def test_an_unknown_device_is_a_usage_error(capsys):

@@ -84,5 +84,5 @@ def test_a_runner_on_native_attention_computes_the_models_logits(target_model):
     assert torch.allclose(first[0], reference_logits(target_model, a[:35]), atol=1e-4)
     assert torch.allclose(rest[0], reference_logits(target_model, a)[-5:], atol=1e-4)
     assert torch.allclose(rest[1], reference_logits(target_model, b)[-1:], atol=1e-4)
-    with pytest.raises(ValueError, match="auto, native or sdpa"):
+    with pytest.raises(ValueError, match="auto, native, sdpa or paged"):
         ModelRunner(target_model, attention="flash")

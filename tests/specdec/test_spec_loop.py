@@ -42,6 +42,23 @@ def test_greedy_is_token_identical_to_target_generate(engines, tokenizer, greedy
         assert got.stats.target_passes < len(expected) or gamma == 1
 
 
+def test_greedy_over_paged_caches_is_token_identical_to_target_generate(draft_model, target_model, tokenizer,
+                                                                     greedy_references):
+    """Both engines on paged caches and batched attention (a GPU's default), with prefix
+    reuse sharing blocks between sessions of one prompt asked twice."""
+    draft = DraftEngine(ModelRunner(draft_model, attention="paged"), 1024)
+    target = TargetEngine(ModelRunner(target_model, attention="paged"), 1024)
+    long = [t for ids, _ in greedy_references[:4] for t in ids]  # over MIN_SHARED tokens: reused
+    out = target_model.generate(torch.tensor([long]), do_sample=False, max_new_tokens=64,
+                                pad_token_id=tokenizer.eos_token_id)
+    for i, (ids, expected) in enumerate(greedy_references + [(long, out[0, len(long):].tolist())] * 2):
+        got = generate(draft, target, ids, SamplingParams(temperature=0.0), 4, 64,
+                       eos_id=tokenizer.eos_token_id, session_id=f"p{i}")
+        assert got.tokens == expected, f"prompt {i} differs"
+    assert target.sessions.prefix_reuses >= 1 and draft.sessions.prefix_reuses >= 1
+    assert target.runner.pool.used * target.runner.pool.block_bytes == target.sessions.cache_bytes
+
+
 def _first_round(draft, target, ids, params_list, gamma):
     """One speculation round for many seeded sessions at once (batched by 500)."""
     if len(params_list) > 500:
