@@ -69,11 +69,15 @@ class Shape:
             runner.forward([ForwardItem(cache, torch.randint(0, runner.vocab_size, (length,)), 1)])
             self.caches.append(cache)
 
-    def forward_ms(self) -> float:
+    def items(self) -> list[ForwardItem]:
+        """A forward's items, the caches cut back to their lengths."""
         for cache, length in zip(self.caches, self.lengths):
             cache.truncate(length)
-        items = [ForwardItem(c, torch.randint(0, self.runner.vocab_size, (self.tokens,)), self.tokens)
-                 for c in self.caches]
+        return [ForwardItem(c, torch.randint(0, self.runner.vocab_size, (self.tokens,)), self.tokens)
+                for c in self.caches]
+
+    def forward_ms(self) -> float:
+        items = self.items()
         t0 = time.perf_counter()
         self.runner.forward(items)
         sync_device(self.runner.device)
@@ -95,8 +99,9 @@ class OpCounter(TorchDispatchMode):
 
 def count_ops(case: "Shape") -> tuple[int, int]:
     """(operators, of which not views) of one forward of `case`."""
+    items = case.items()
     with OpCounter() as counter:
-        case.forward_ms()
+        case.runner.forward(items)
     return counter.ops, counter.compute
 
 

@@ -10,8 +10,10 @@
 #       redis-server with the libraries a base image lacks (about 27 MB);
 #   device run, carry [".gpukit"], command "bash benchmarks/gpu_kit.sh run", timeout 540:
 #       installs the wheels into /tmp/site, checks CUDA, runs benchmarks.cuda_check (the
-#       paths only a GPU takes, against references: about a minute; cuda-check.log), then
-#       the benchmark with a bf16 target and draft on the GPU, and leaves RESULTS-gpu.md,
+#       paths only a GPU takes, against references: about a minute; cuda-check.log), times
+#       the target's forwards with SDPA per session against the paged caches' batched
+#       attention, by turns (attention-gpu.log), then the benchmark with a bf16 target and
+#       draft on the GPU, and leaves RESULTS-gpu.md,
 #       speedup-gpu.png and the logs under $OUT. Copy them into benchmarks/ and add the
 #       table to README.md.
 #
@@ -65,6 +67,8 @@ print(torch.__version__, torch.cuda.get_device_name(), 'transformers', transform
     set -o pipefail
     python3 -m benchmarks.cuda_check 2>&1 | tee "$OUT/cuda-check.log" ||
         echo "cuda_check: some checks failed (cuda-check.log); the benchmark runs all the same"
+    python3 -m benchmarks.dtype_probe --device cuda --dtypes bfloat16 --attention sdpa,paged \
+        --shapes 1x1,1x5,4x5,16x5,64x5 --count-ops 2>&1 | tee "$OUT/attention-gpu.log" || true
     python3 -m benchmarks.bench --device cuda --dtype bfloat16 --draft-dtype bfloat16 \
         --out "$OUT/RESULTS-gpu.md" --plot "$OUT/speedup-gpu.png" "$@" 2>&1 | tee "$OUT/bench-gpu.log"
 }

@@ -19,10 +19,12 @@ attention is one call per layer for all sessions
 (specdec/native/packed_attention.cpp): it writes each session's new keys and values into
 that session's cache and attends from its rows to its own cache, with no padding or
 gathering, where torch's SDPA takes a cache write, two views and a call per session and
-layer. Elsewhere (a GPU, other dtypes, no compiler) it is SDPA per session: one call over
-a batch would need the caches in one tensor, padded to the longest and gathered first,
-which costs about what the saved calls do (`python -m benchmarks.attention_probe`,
-benchmarks/HISTORY.md, "One attention call per batch").
+layer. On a GPU it is paged (`attention="paged"`: the caches in blocks of one pool,
+specdec.paged_cache, and one gather and SDPA call per layer for sessions of like lengths,
+specdec.paged_attention), where a launch per session and layer costs more than the
+gather's copy; on a CPU the gather costs about what the saved calls do (`python -m
+benchmarks.attention_probe`, benchmarks/HISTORY.md, "One attention call per batch"), so
+other dtypes and a CPU without the kernels take SDPA per session.
 Where products and attention are both native and the layer is plain Llama, each layer is
 one call of specdec/native/decoder_layer.cpp, and a forward whose rows all take the compact
 products is one call of specdec/native/packed_model.cpp (embedding, layers, final norm and

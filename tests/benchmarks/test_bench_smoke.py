@@ -147,6 +147,23 @@ def test_dtype_probe_compares_a_drafts_16_bit_and_int8_weights(capsys):
     assert "float32 none" in line and "float32 int8" in line and "×)" in line
 
 
+def test_dtype_probe_counts_the_operators_of_attention_per_session_and_over_paged_caches(capsys):
+    """What a GPU launches: per session the operators grow with the batch in every layer
+    (12 here), paged only once a forward (its packed ids and logits rows)."""
+    from benchmarks import dtype_probe
+
+    assert dtype_probe.main(["--dtypes", "float32", "--attention", "sdpa,paged",
+                             "--shapes", "1x5,8x5", "--reps", "1", "--context", "8", "--count-ops"]) == 0
+    out = capsys.readouterr().out
+    counts = {}
+    for line in out.split("torch operators per forward")[1].splitlines()[1:]:
+        batch = int(line.split()[0])
+        for name in ("sdpa", "paged"):
+            counts[name, batch] = int(line.split(f"float32 {name} ")[1].split()[0])
+    assert counts["sdpa", 8] - counts["sdpa", 1] > 7 * 12 * 2  # a write, the attention, ... per session and layer
+    assert counts["paged", 8] - counts["paged", 1] < 7 * 2 + 4
+
+
 def test_quant_probe_reports_every_draft_on_the_same_windows(capsys):
     from benchmarks import quant_probe
     from specdec import native

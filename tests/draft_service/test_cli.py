@@ -81,3 +81,14 @@ def test_only_the_target_pool_stops_holding_full_batches_by_default():
         add_replica_args(ap, pool, "model")
         defaults[pool] = ap.parse_args([]).batch_full_tokens
     assert defaults == {"draft": 0, "target": -1}
+
+
+def test_paged_attention_sizes_its_pool_from_the_cache_budget():
+    from specdec.replica import build_runner
+
+    args = parse_args(build_parser(), ["--attention", "paged", "--max-cache-mb", "8", "--device", "cpu"])
+    runner = build_runner(args, "draft_service")
+    assert runner.attention == "paged" and runner.pool.used == 0
+    assert runner.pool.blocks == 8 * 2**20 // runner.pool.block_bytes
+    unbounded = build_runner(parse_args(build_parser(), ["--attention", "paged", "--device", "cpu"]), "draft_service")
+    assert unbounded.pool.blocks < runner.pool.blocks  # it grows as caches need
