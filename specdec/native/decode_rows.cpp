@@ -167,6 +167,9 @@ torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab
   if (PyBytes_AsStringAndSize(data.ptr(), &buffer, &length) != 0) throw pybind11::error_already_set();
   TORCH_CHECK(rows >= 0 && vocab > 0 && length == 2 * rows * vocab, "decode_fp16_rows: ", 2 * rows * vocab,
               " bytes expected for ", rows, " rows of ", vocab, ", got ", length);
+  // the rest without the GIL (the caller's reference keeps `data` alive): a large vocabulary's
+  // rows take the target's servicer half a millisecond a message, decoded on worker threads
+  pybind11::gil_scoped_release nogil;
   auto out = torch::empty({rows, vocab}, torch::dtype(torch::kFloat64));
   double* o = out.data_ptr<double>();
   const auto* h = reinterpret_cast<const uint16_t*>(buffer);
