@@ -61,6 +61,18 @@ class Verdict:
     fed_top_logprobs: list[float] | None = None
 
 
+def _rows_at_stops(jobs: list[VerifyJob], rest: list[int], stops: list[int], gammas: list[int], V: int,
+                   device: torch.device) -> torch.Tensor:
+    """[len(rest), V] float64 on `device`: each session's draft row at its stopping position
+    (zeros after a whole draft kept: the bonus has no q), stacked where the rows are (the
+    host, for a replica) and moved in one copy: a copy per row cost a GPU a synchronous
+    transfer each."""
+    rows = [jobs[b].q[stops[b]] if stops[b] < gammas[b] else None for b in rest]
+    home = next((r.device for r in rows if r is not None), device)
+    zero = torch.zeros(V, dtype=torch.float64, device=home)
+    return torch.stack([zero if r is None else r.to(home) for r in rows]).to(device)
+
+
 class TargetEngine:
     def __init__(self, runner: ModelRunner, max_sessions: int = 256, max_cache_bytes: int = 0,
                  rule: str = "block") -> None:
@@ -294,8 +306,7 @@ class TargetEngine:
                 next_token[b] = token
 
         if rest:
-            zero = torch.zeros(V, dtype=torch.float64, device=device)
-            q_n = torch.stack([jobs[b].q[stops[b]].to(device) if stops[b] < gammas[b] else zero for b in rest])
+            q_n = _rows_at_stops(jobs, rest, stops, gammas, V, device)
             u_n = sampling.uniforms_at([jobs[b].params.seed for b in rest], [firsts[b] + stops[b] for b in rest],
                                        sampling.STREAM_RESAMPLE)
             w_n = None
