@@ -11,8 +11,9 @@ built once per forward, the layers reuse it.
 Grouping bounds the padding: sessions are taken in order of length and a group closes
 before its padded keys would exceed PADDING × the keys its sessions need; a prefill (more
 than `band` new tokens) attends alone, not padding every other session's queries to its
-length. Padded query rows repeat a session's last row and padded keys read slot 0 (zeros
-or a finite key), masked: no row is all −inf, so none is NaN; their outputs are dropped.
+length. Padded query rows repeat a session's last row and padded keys read the pool's
+null block (zeros, paged_cache.NULL), masked: no row is all −inf, so none is NaN; their
+outputs are dropped.
 """
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.paged_cache import PagedKVCache
+from specdec.paged_cache import BLOCK, NULL, PagedKVCache
 
 PADDING = 2.0  # keys attended ÷ keys needed a group may reach
 
 
 @dataclass
 class Group:
-    read: torch.Tensor  # [g, K] pool slot of each key position (padding: slot 0)
+    read: torch.Tensor  # [g, K] pool slot of each key position (padding: the null block's first)
     rows: torch.Tensor  # [g, n] packed query row of each query position (padding: the last real row)
     mask: torch.Tensor  # [g, 1, n, K] or folded [g, 1, (H ÷ KV) · n, K], additive
     keep: torch.Tensor | None  # rows of the flattened [g · n] output that are real queries; None: all
@@ -85,7 +86,7 @@ def _group(members: list[int], caches, starts, lengths, offsets, fold: int, dtyp
     ln = np.array([lengths[b] for b in members])
     n = int(ln.max())
     K = -(-int((st + ln).max()) // 8) * 8  # the mask's rows start 16-byte aligned (aligned_mask)
-    read = np.zeros((g, K), dtype=np.int64)
+    read = np.full((g, K), NULL * BLOCK, dtype=np.int64)
     for r, b in enumerate(members):
         read[r, : starts[b] + lengths[b]] = caches[b].slots(0, starts[b] + lengths[b])
     i = np.minimum(np.arange(n)[None, :], ln[:, None] - 1)  # padded queries repeat the last

@@ -13,8 +13,9 @@ The pool is [layers, blocks × BLOCK, 2 × kv_heads, head_dim]: a position's key
 side by side, as the fused q/k/v projection produces them, so the write is one index_copy_
 of the projection's rows. It grows by half again when it runs out (a copy of what it holds,
 rare: it never shrinks, freed blocks are reused), or is sized once (`BlockPool.reserve`).
-It starts zeroed and only finite keys are written to it, so the padding slots a batched
-attention gathers (slot 0, masked out) never turn a score into NaN.
+Block 0 is never handed out: it stays zeros, and the padding slots a batched attention
+gathers (masked out) read it, so no session's attention reads another's keys even masked
+(a non-finite key there would turn a masked score into NaN).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 BLOCK = 16  # positions per block
+NULL = 0  # the block no cache holds: padding reads its zeros
 
 
 class BlockPool:
@@ -33,11 +35,14 @@ class BlockPool:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
                  device: torch.device, blocks: int = 64) -> None:
+        if blocks < 2:
+            raise ValueError(f"a pool needs at least 2 blocks, got {blocks}")
         self.shape = (layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.kv = torch.zeros(layers, blocks * BLOCK, 2 * kv_heads, head_dim, dtype=dtype, device=device)
         self.refs = np.zeros(blocks, dtype=np.int32)
-        self._free = list(range(blocks - 1, -1, -1))  # popped from the end: low blocks first
+        self.refs[NULL] = 1  # held for good
+        self._free = list(range(blocks - 1, NULL, -1))  # popped from the end: low blocks first
         self._lock = threading.RLock()
         self.block_bytes = layers * BLOCK * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
@@ -48,7 +53,7 @@ class BlockPool:
     @property
     def used(self) -> int:
         """Blocks held by at least one cache."""
-        return self.blocks - len(self._free)
+        return self.blocks - len(self._free) - 1
 
     def reserve(self, blocks: int) -> None:
         """Grow to at least `blocks` blocks now (sized once, as a budget knows it will fill)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.kv_cache import KVCache
-from specdec.paged_cache import BLOCK, BlockPool, PagedKVCache
+from specdec.paged_cache import BLOCK, NULL, BlockPool, PagedKVCache
 
 LAYERS, HEADS, DIM, MAX = 2, 2, 4, 300
 
@@ -66,6 +66,7 @@ def test_random_operations_keep_a_paged_cache_equal_to_a_contiguous_one():
         for paged, plain in pairs:
             assert same(paged, plain), step
         refs = np.zeros(p.blocks, dtype=np.int32)
+        refs[NULL] = 1  # never handed out
         for paged, _ in pairs:
             np.add.at(refs, paged.table, 1)
         assert np.array_equal(refs, p.refs), step
@@ -73,7 +74,7 @@ def test_random_operations_keep_a_paged_cache_equal_to_a_contiguous_one():
     del paged, plain
     pairs.clear()
     gc.collect()
-    assert p.used == 0 and not p.refs.any()
+    assert p.used == 0 and not p.refs[NULL + 1 :].any()
 
 
 def test_a_fork_shares_whole_blocks_and_a_write_after_a_rollback_copies_them():
@@ -110,7 +111,7 @@ def test_the_pool_grows_keeping_what_it_holds_and_refuses_past_the_context():
     kept = [t.clone() for t in a.view(1, a.length)]
     b = PagedKVCache(p, MAX)
     feed(b, 5 * BLOCK, gen)
-    assert p.blocks >= 7 and p.used == 7
+    assert p.blocks >= 8 and p.used == 7
     assert all(torch.equal(x, y) for x, y in zip(a.view(1, a.length), kept))
     with pytest.raises(ValueError, match="exceeds the model context of 300"):
         a.reserve(MAX + 1)
@@ -131,4 +132,5 @@ def test_blocks_come_back_when_a_cache_is_collected_on_another_thread():
             break
         threading.Event().wait(0.01)
     assert p.used == 0
-    assert sorted(p.allocate(8).tolist()) == list(range(8))  # the freed blocks are reused
+    assert sorted(p.allocate(8).tolist()) == list(range(1, 9))  # the freed blocks are reused, never the null one
+    assert not p.kv[:, : BLOCK].any()
