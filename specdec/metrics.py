@@ -11,6 +11,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 # replicas
 REPLICA_SESSIONS = Gauge("specdec_replica_sessions", "Sessions whose KV cache this replica holds", ["pool"])
 REPLICA_CACHE_BYTES = Gauge("specdec_replica_cache_bytes", "Bytes of KV cache held", ["pool"])
+CACHE_POOL_BYTES = Gauge("specdec_replica_cache_pool_bytes",
+                         "Bytes of the paged caches' pool, held whether its blocks are in use or free", ["pool"])
 REPLICA_QUEUE = Gauge("specdec_replica_queue_length", "Calls waiting for the engine", ["pool"])
 BATCH_SIZE = Histogram("specdec_batch_size", "Sessions per engine batch", ["pool"],
                        buckets=(1, 2, 4, 8, 16, 32, 64))

@@ -39,10 +39,7 @@ class BlockPool:
             raise ValueError(f"a pool needs at least 2 blocks, got {blocks}")
         self.shape = (layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.kv = torch.zeros(layers, blocks * BLOCK, 2 * kv_heads, head_dim, dtype=dtype, device=device)
-        self.refs = np.zeros(blocks, dtype=np.int32)
-        self.refs[NULL] = 1  # held for good
-        self._free = list(range(blocks - 1, NULL, -1))  # popped from the end: low blocks first
+        self._fresh(blocks)
         self._lock = threading.RLock()
         self.block_bytes = layers * BLOCK * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
@@ -51,14 +48,25 @@ class BlockPool:
         return len(self.refs)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds, its blocks in use or free."""
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
     def used(self) -> int:
         """Blocks held by at least one cache."""
         return self.blocks - len(self._free) - 1
 
     def reserve(self, blocks: int) -> None:
-        """Grow to at least `blocks` blocks now (sized once, as a budget knows it will fill)."""
+        """Hold `blocks` blocks from now on: exactly that many while no cache holds one (a
+        replica's budget, known at start), else at least that many."""
+        if blocks < 2:
+            raise ValueError(f"a pool needs at least 2 blocks, got {blocks}")
         with self._lock:
-            if blocks > self.blocks:
+            if self.used == 0 and blocks != self.blocks:
+                self.kv = None  # the old one's memory free before the new one's is taken
+                self._fresh(blocks)
+            elif blocks > self.blocks:
                 self._grow(blocks)
 
     def allocate(self, n: int) -> np.ndarray:
@@ -82,6 +90,14 @@ class BlockPool:
     def copy(self, src: int, dst: int, positions: int = BLOCK) -> None:
         """The first `positions` slots of block src into block dst, every layer."""
         self.kv[:, dst * BLOCK : dst * BLOCK + positions] = self.kv[:, src * BLOCK : src * BLOCK + positions]
+
+    def _fresh(self, blocks: int) -> None:
+        """`blocks` zeroed blocks, none held but the null one."""
+        layers, heads, dim = self.shape
+        self.kv = torch.zeros(layers, blocks * BLOCK, 2 * heads, dim, dtype=self.dtype, device=self.device)
+        self.refs = np.zeros(blocks, dtype=np.int32)
+        self.refs[NULL] = 1  # held for good
+        self._free = list(range(blocks - 1, NULL, -1))  # popped from the end: low blocks first
 
     def _grow(self, blocks: int) -> None:
         layers, heads, dim = self.shape

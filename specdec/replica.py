@@ -145,6 +145,8 @@ class ReplicaHost:
         s = self.engine.sessions
         metrics.REPLICA_SESSIONS.labels(self.pool).set(len(s))
         metrics.REPLICA_CACHE_BYTES.labels(self.pool).set(s.cache_bytes)
+        if self.engine.runner.pool is not None:
+            metrics.CACHE_POOL_BYTES.labels(self.pool).set(self.engine.runner.pool.nbytes)
         metrics.REPLICA_QUEUE.labels(self.pool).set(self.batcher.queue_length)
         return ReplicaInfo(address=self.address, pool=self.pool, capacity=s.max_sessions, sessions=len(s),
                            queue_length=self.batcher.queue_length, cache_bytes=s.cache_bytes,

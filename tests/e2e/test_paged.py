@@ -4,6 +4,8 @@ repeats (the pool under a --max-cache-mb budget, as sized at start)."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import pytest
 
@@ -14,6 +16,7 @@ from tests.e2e.test_prefix_reuse import SYSTEM
 from tests.stacks import started_stack, stopped
 
 pytestmark = pytest.mark.e2e
+GAUGE = 'specdec_replica_cache_pool_bytes{pool="target"}'
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +48,20 @@ def test_paged_replicas_answer_as_the_target_alone_and_share_a_prompts_blocks(pa
     assert stream(stub, request(prompts[1], 32, 0.0))[0] == list(second.token_ids)
     seeded = [stub.Generate(request(prompts[0], 24, 1.0, seed=11), timeout=120) for _ in range(2)]
     assert list(seeded[0].token_ids) == list(seeded[1].token_ids)
+
+
+def test_a_paged_replica_reports_its_pool_beside_the_bytes_its_caches_hold(paged_stack):
+    from localstack.stack import free_port, scrape_metrics, wait_serving
+
+    port = free_port()
+    rep = paged_stack.start_replica("target", wait=False, extra=["--metrics-port", str(port)])
+    try:
+        wait_serving(rep.address, timeout=paged_stack.start_timeout, proc=rep.proc)
+        deadline = time.monotonic() + 30
+        while (metrics := scrape_metrics(port)).get(GAUGE) is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # set with the first heartbeat
+        assert 15 * 2**20 < metrics[GAUGE] <= 16 * 2**20  # the budget's whole blocks, from the start
+        assert metrics['specdec_replica_cache_bytes{pool="target"}'] == 0
+    finally:
+        rep.proc.send_signal(signal.SIGTERM)
+        rep.proc.wait(30)

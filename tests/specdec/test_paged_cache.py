@@ -117,6 +117,11 @@ def test_the_pool_grows_keeping_what_it_holds_and_refuses_past_the_context():
         a.reserve(MAX + 1)
     p.reserve(40)
     assert p.blocks == 40 and p.used == 7
+    p.reserve(30)  # blocks in use: it never shrinks
+    assert p.blocks == 40
+    fresh = pool(blocks=64)
+    fresh.reserve(5)  # none in use: the size asked
+    assert fresh.blocks == 5 and fresh.used == 0 and len(fresh.allocate(4)) == 4
 
 
 def test_blocks_come_back_when_a_cache_is_collected_on_another_thread():
