@@ -33,7 +33,29 @@ def grown_capacity(capacity: int, length: int, max_length: int) -> int:
     return min(-(-want // BLOCK) * BLOCK, max_length)
 
 
-class KVCache:
+class RollbackIds:
+    """What both cache layouts do alike with `length`, `ids` and `reserve`: roll back by
+    moving the length, record the ids of fed tokens."""
+
+    length: int
+    ids: np.ndarray
+
+    def reserve(self, length: int) -> None:
+        raise NotImplementedError
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` positions; nothing is copied."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def write_ids(self, start: int, tokens: list[int]) -> None:
+        """Record the ids of the tokens fed at positions start .. start+n-1."""
+        self.reserve(start + len(tokens))
+        self.ids[start : start + len(tokens)] = tokens
+
+
+class KVCache(RollbackIds):
     def __init__(self, layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
                  device: torch.device, capacity: int = 128, max_length: int = 2048) -> None:
         self.shape = (layers, kv_heads, head_dim)
@@ -86,17 +108,6 @@ class KVCache:
         new.ids[:length] = self.ids[:length]
         new.length = length
         return new
-
-    def truncate(self, length: int) -> None:
-        """Roll back to `length` positions; nothing is copied."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.length = length
-
-    def write_ids(self, start: int, tokens: list[int]) -> None:
-        """Record the ids of the tokens fed at positions start .. start+n-1."""
-        self.reserve(start + len(tokens))
-        self.ids[start : start + len(tokens)] = tokens
 
     def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
         """kv: [2 × kv_heads, n, head_dim], keys then values, for positions start .. start+n-1."""

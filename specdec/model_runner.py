@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 from specdec import native, paged_attention
 from specdec.kv_cache import KVCache
-from specdec.paged_cache import BlockPool, PagedKVCache
 from specdec.linear_kernels import KERNELS, KernelTable, Product, prepare
+from specdec.paged_cache import BlockPool, PagedKVCache
 from specdec.quantize import MODES as quantize_modes, quantize_linears_, w8a8_unavailable
 from specdec.sampling import SamplingParams
 
@@ -53,7 +53,7 @@ HALF = KERNELS.index("half")
 
 @dataclass
 class ForwardItem:
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     tokens: torch.Tensor  # [n] int64 new tokens, written at cache.length ..
     logits_rows: int  # how many trailing positions need logits (1 .. n)
 

@@ -24,6 +24,8 @@ import threading
 import numpy as np
 import torch
 
+from specdec.kv_cache import RollbackIds
+
 BLOCK = 16  # positions per block
 NULL = 0  # the block no cache holds: padding reads its zeros
 
@@ -109,10 +111,11 @@ class BlockPool:
         self._free[:0] = range(blocks - 1, old - 1, -1)  # after the free low blocks
 
 
-class PagedKVCache:
+class PagedKVCache(RollbackIds):
     """One session's positions as a table of the pool's blocks; `kv_cache.KVCache`'s
     interface (length, ids, reserve, fork, truncate, write_ids, write, view, nbytes,
-    growth_bytes) so that the session table and engines hold either."""
+    growth_bytes) so that the session table and engines hold either. A rollback keeps its
+    blocks held."""
 
     def __init__(self, pool: BlockPool, max_length: int) -> None:
         self.pool = pool
@@ -188,17 +191,6 @@ class PagedKVCache:
         new.ids[:length] = self.ids[:length]
         new.length = length
         return new
-
-    def truncate(self, length: int) -> None:
-        """Roll back to `length` positions; nothing is copied (blocks stay held)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.length = length
-
-    def write_ids(self, start: int, tokens: list[int]) -> None:
-        """Record the ids of the tokens fed at positions start .. start+n-1."""
-        self.reserve(start + len(tokens))
-        self.ids[start : start + len(tokens)] = tokens
 
     def slots(self, start: int, end: int) -> np.ndarray:
         """The pool slots of positions start .. end-1."""
