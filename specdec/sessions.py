@@ -15,7 +15,9 @@ for this only, in place of older ones they mostly repeat, and go first when room
 copies its keys, values and ids up to that prefix (never the call's last token, whose
 logits the call needs), and the engine feeds the rest. Each position's keys and values
 depend only on the tokens up to it, so the copy is what a prefill would compute, up to the
-float rounding of a forward over other rows.
+float rounding of a forward over other rows. Paged caches (specdec.paged_cache) share the
+donor's whole blocks instead, copying only its last partial one and any shared block
+before it is written.
 """
 from __future__ import annotations
 
