@@ -76,5 +76,5 @@ print(torch.__version__, torch.cuda.get_device_name(), 'transformers', transform
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
