@@ -339,15 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     def requests_for(c: int, rep: int = 0, fast: bool = False):
         return make_requests(prompt_ids, request_count(args, c, fast), seed_base=pass_seed_base(rep))
 
+    draft_runner, target_runner = ModelRunner(draft_model, quantize=args.draft_quantize), ModelRunner(target_model)
     meta = machine_info(device)
     meta.update(command="python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 draft=model_summary(draft_model, args.draft) + (
-                    f", {args.draft_quantize} weights" if args.draft_quantize != "none" else ""),
-                target=model_summary(target_model, args.target),
+                    f", {args.draft_quantize} weights" if args.draft_quantize != "none" else "")
+                + f" ({draft_runner.kernels_summary})",
+                target=model_summary(target_model, args.target) + f" ({target_runner.kernels_summary})",
                 min_requests=request_count(args, 1, fast=True))
     log(f"measuring step costs (batches {args.concurrency})")
-    costs = measure_costs(ModelRunner(draft_model, quantize=args.draft_quantize), ModelRunner(target_model),
+    costs = measure_costs(draft_runner, target_runner,
                           args.concurrency,
                           sorted(set(args.gammas) | {0, args.gamma, 8}), reps=args.cost_reps,
                           decision_gamma=args.gamma)

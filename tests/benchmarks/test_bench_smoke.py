@@ -18,6 +18,8 @@ def test_bench_quick_writes_the_report_and_the_plot(bundled_paths, tmp_path):
                    "| system | tok/s |", "(e) distributed, adaptive γ", "(b) HF assisted generation"):
         assert header in text, header
     assert "parameters, float32" in text  # each model's dtype as served
+    target = next(line for line in text.splitlines() if line.startswith("- target: "))
+    assert "; attention native" in target and target.endswith(")")  # and the runner's kernels
     # the streamed systems report their first token apart from the rest; the in-process ones cannot
     header = next(line for line in text.splitlines() if line.startswith("| system | tok/s |"))
     ttft = [c.strip() for c in header.strip("|").split("|")].index("p50 TTFT ms")
