@@ -77,7 +77,13 @@ class SessionTable:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes held by the sessions' caches and the released ones kept as prefix donors."""
+        """Bytes held by the sessions' caches and the released ones kept as prefix donors
+        (paged: the pool's blocks in use, which are theirs and a call's forks in flight; the
+        same total as their shares, counted without a pass over every cache's blocks, which
+        each batch's budget check would pay)."""
+        pool = getattr(self.runner, "pool", None)
+        if pool is not None:
+            return pool.used * pool.block_bytes
         return (sum(s.cache.nbytes for s in self._sessions.values())
                 + sum(cache.nbytes for _, cache, _ in self._retired.values()))
 

@@ -141,3 +141,31 @@ def test_growing_caches_make_room_under_the_bytes_budget(draft_model):
     assert "busy" in table and table.cache_bytes > table.max_cache_bytes
     with pytest.raises(Overloaded, match=r"KV caches hold \d+ MiB \(max \d+\) and all are in use"):
         table.acquire(CacheRef("new", 1, 0, [7] * 20), exact=True, busy={"busy"})
+
+
+def test_paged_caches_make_room_under_the_budget_counting_shared_blocks_once(draft_model):
+    """Paged caches (a GPU's default): a reused prefix's whole blocks are shared, not copied,
+    so they count once, and evicting a donor frees only the blocks no one else holds."""
+    from specdec.errors import Overloaded
+
+    runner = ModelRunner(draft_model, attention="paged")
+    block = runner.pool.block_bytes
+    table = SessionTable(runner, max_sessions=8, max_cache_bytes=20 * block)
+    _fed(table, "idle", [3] * 20)  # 2 blocks
+    shared = list(range(20, 60))
+    _fed(table, "donor", shared)  # 3 blocks
+    table.release("donor")
+    busy, skip = _fed(table, "busy", shared[:39] + [1])
+    assert skip == 39 and table.prefix_reuses == 1
+    assert table.cache_bytes == (2 + 3 + 1) * block  # busy holds the donor's first two blocks with it
+    table.make_room([(busy, 200)], {"busy"})  # 10 blocks more: 16 of 20
+    assert len(table._retired) == 1 and "idle" in table
+    table.make_room([(busy, 290)], {"busy"})  # 16 more: the donor frees one block, then idle goes
+    assert not table._retired and "idle" not in table and table.evictions == 1
+    busy.reserve(290)
+    assert table.cache_bytes == 19 * block <= table.max_cache_bytes
+    table.make_room([(busy, 400)], {"busy"})  # nothing idle: it grows over
+    busy.reserve(400)
+    assert table.cache_bytes == 25 * block
+    with pytest.raises(Overloaded, match=r"KV caches hold \d+ MiB \(max \d+\) and all are in use"):
+        table.acquire(CacheRef("new", 1, 0, [7] * 20), exact=True, busy={"busy"})

@@ -56,7 +56,8 @@ def test_greedy_over_paged_caches_is_token_identical_to_target_generate(draft_mo
                        eos_id=tokenizer.eos_token_id, session_id=f"p{i}")
         assert got.tokens == expected, f"prompt {i} differs"
     assert target.sessions.prefix_reuses >= 1 and draft.sessions.prefix_reuses >= 1
-    assert target.runner.pool.used * target.runner.pool.block_bytes == target.sessions.cache_bytes
+    held = [s.cache for s in target.sessions._sessions.values()] + [c for _, c, _ in target.sessions._retired.values()]
+    assert sum(c.nbytes for c in held) == target.runner.pool.used * target.runner.pool.block_bytes
 
 
 def _first_round(draft, target, ids, params_list, gamma):
