@@ -2,8 +2,10 @@
 the GPU's layout forced, so that the script works when a device comes, and fail where the
 layout does not give Hugging Face's numbers."""
 import pytest
+import torch
 
 from benchmarks import cuda_check
+from specdec.models import BUNDLED_TARGET
 from specdec import model_runner
 
 
@@ -39,10 +41,13 @@ def test_a_paged_mask_that_lets_a_query_see_the_next_key_fails_every_paged_check
         return right(members, caches, [s + 1 for s in starts], lengths, offsets, fold, dtype, device)
 
     monkeypatch.setattr(paged_attention, "_group", leaky)
-    assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "8"]) == 1
+    cpu = torch.device("cpu")
+    # as main() runs them: a check that raises fails with its error
+    assert not cuda_check._run(cuda_check.check_paged_batch, "target", BUNDLED_TARGET, cpu, torch.float32, True)
+    assert not cuda_check._run(cuda_check.check_forward, "target", BUNDLED_TARGET, cpu, torch.float32, True, "paged")
+    assert cuda_check._run(cuda_check.check_forward, "target", BUNDLED_TARGET, cpu, torch.float32, True, "sdpa")
     out = capsys.readouterr().out.splitlines()
-    assert all(line.endswith("FAIL") for line in out if line.startswith("batch"))
-    assert all(line.endswith("FAIL") == (" paged " in line) for line in out if line.startswith("forward"))
+    assert len(out) == 3 and "FAIL" in out[0] and "FAIL" in out[1] and out[2].endswith("ok"), out
 
 
 def test_an_unknown_device_is_a_usage_error(capsys):

@@ -51,7 +51,7 @@ def test_greedy_over_paged_caches_is_token_identical_to_target_generate(draft_mo
     long = [t for ids, _ in greedy_references[:4] for t in ids]  # over MIN_SHARED tokens: reused
     out = target_model.generate(torch.tensor([long]), do_sample=False, max_new_tokens=64,
                                 pad_token_id=tokenizer.eos_token_id)
-    for i, (ids, expected) in enumerate(greedy_references + [(long, out[0, len(long):].tolist())] * 2):
+    for i, (ids, expected) in enumerate(greedy_references[:8] + [(long, out[0, len(long):].tolist())] * 2):
         got = generate(draft, target, ids, SamplingParams(temperature=0.0), 4, 64,
                        eos_id=tokenizer.eos_token_id, session_id=f"p{i}")
         assert got.tokens == expected, f"prompt {i} differs"
