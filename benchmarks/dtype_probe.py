@@ -19,9 +19,10 @@ kernels, attention) combination is a runner of its own, the first the reference.
 `--attention sdpa,paged` compares attention per session with one over a batch of paged
 caches (specdec.paged_attention: a GPU's default), and `--count-ops` prints the torch
 operators each forward dispatches (the kernels a GPU launches, give or take the views
-among them; a native kernel's call is none). `--model models/draft --quantize none,int8,w8a8` compares a draft's 16-bit weights with its
-int8 ones and with int8 weights and activations (specdec.quantize; a draft replica's
-`--quantize`), and `--fuse on,layers,off` the native fusions.
+among them; a native kernel's call is none). `--model models/draft --quantize
+none,int8,w8a8` compares a draft's 16-bit weights with its int8 ones and with int8 weights
+and activations (specdec.quantize; a draft replica's `--quantize`), and `--fuse
+on,layers,off` the native fusions.
 
 The dtype changes the numbers the target computes, so it is a choice of the model served,
 made for every replica at start (`--dtype` of the replicas), never per batch: the output is
@@ -34,7 +35,6 @@ import statistics
 import time
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.costs import sync_device

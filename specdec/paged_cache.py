@@ -93,17 +93,19 @@ class BlockPool:
         """The first `positions` slots of block src into block dst, every layer."""
         self.kv[:, dst * BLOCK : dst * BLOCK + positions] = self.kv[:, src * BLOCK : src * BLOCK + positions]
 
+    def _zeros(self, blocks: int) -> torch.Tensor:
+        layers, heads, dim = self.shape
+        return torch.zeros(layers, blocks * BLOCK, 2 * heads, dim, dtype=self.dtype, device=self.device)
+
     def _fresh(self, blocks: int) -> None:
         """`blocks` zeroed blocks, none held but the null one."""
-        layers, heads, dim = self.shape
-        self.kv = torch.zeros(layers, blocks * BLOCK, 2 * heads, dim, dtype=self.dtype, device=self.device)
+        self.kv = self._zeros(blocks)
         self.refs = np.zeros(blocks, dtype=np.int32)
         self.refs[NULL] = 1  # held for good
         self._free = list(range(blocks - 1, NULL, -1))  # popped from the end: low blocks first
 
     def _grow(self, blocks: int) -> None:
-        layers, heads, dim = self.shape
-        kv = torch.zeros(layers, blocks * BLOCK, 2 * heads, dim, dtype=self.dtype, device=self.device)
+        kv = self._zeros(blocks)
         kv[:, : self.kv.shape[1]] = self.kv
         old = self.blocks
         self.kv = kv

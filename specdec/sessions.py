@@ -81,7 +81,7 @@ class SessionTable:
         (paged: the pool's blocks in use, which are theirs and a call's forks in flight; the
         same total as their shares, counted without a pass over every cache's blocks, which
         each batch's budget check would pay)."""
-        pool = getattr(self.runner, "pool", None)
+        pool = self.runner.pool
         if pool is not None:
             return pool.used * pool.block_bytes
         return (sum(s.cache.nbytes for s in self._sessions.values())
