@@ -16,6 +16,7 @@ import torch
 from specdec import sampling, shaping
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.model_runner import ForwardItem, ModelRunner
+from specdec.sampling_params import shapes
 from specdec.sessions import CacheRef, SessionTable
 from specdec.wire import quantize
 
@@ -149,7 +150,7 @@ class DraftEngine:
         """A step's logits, each shaping job's row shaped at its cache's position by its
         cache's tokens (specdec/shaping.py): the draft drafts from the law the target verifies
         against, so that a bias, a ban or a penalty does not turn into rejections."""
-        marked = [row for row, j in enumerate(jobs) if shaping.shapes(j.params)]
+        marked = [row for row, j in enumerate(jobs) if shapes(j.params)]
         if not marked:
             return logits
         out = logits.float().clone()
@@ -183,7 +184,7 @@ class DraftEngine:
         if not self.native_drafts:
             return None
         gammas = [j.gamma for j in jobs]
-        shapings = [shaping.native_shaping(j.params) if shaping.shapes(j.params) else None for j in jobs]
+        shapings = [shaping.native_shaping(j.params) if shapes(j.params) else None for j in jobs]
         if self._plain_greedy(jobs):
             tokens = self.runner.draft_greedy(items, gammas, shapings)
             return None if tokens is None else (tokens, [None] * len(jobs))
@@ -216,4 +217,4 @@ class DraftEngine:
 
 def _natively_shaped(params) -> bool:
     """Whether a native draft can take the job's shaping: none, or the kernels' own."""
-    return not shaping.shapes(params) or shaping.native_shaping(params) is not None
+    return not shapes(params) or shaping.native_shaping(params) is not None

@@ -33,15 +33,15 @@ from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients, prefix_aff
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
-from specdec import logprobs, metrics, rounds, shaping
+from specdec import logprob_records, metrics, rounds
+from specdec.cache_ref import CacheRef
+from specdec.encoding import point_masses
 from specdec.errors import (DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed, RequestSuperseded,
                             Unavailable)
 from specdec.internal.v1 import replica_pb2
 from specdec.rounds import Ends
-from specdec.sampling import GREEDY_BELOW
+from specdec.sampling_params import GREEDY_BELOW, shapes
 from specdec.session_store import AnswerScores, RoundCommit, SessionHandle, SessionStore
-from specdec.sessions import CacheRef
-from specdec.wire import point_masses
 from specdec.wire_pb import params_to_pb, ref_to_pb, to_pb
 
 __all__ = ["DRAFT_WAIT_S", "PREFILL_CHUNK", "STOP_BELOW_GREEDY", "STOP_BELOW_SAMPLED", "OVERLAP_FORKS",
@@ -112,7 +112,7 @@ class Generator:
         self.pools = pools
         self.store = store
         self.tokenizer = tokenizer
-        # the model's end-of-sequence tokens (specdec.models.end_token_ids); the tokenizer's EOS by default
+        # the model's end-of-sequence tokens (specdec.model_files.end_token_ids); the tokenizer's EOS by default
         self.end_ids = frozenset({tokenizer.eos_token_id} - {None}) if end_ids is None else end_ids
         self.max_len = max_len
         self.costs = costs or CostModel()
@@ -209,10 +209,10 @@ class Generator:
         return reason
 
     async def _stored_scores(self, gen: Generation, req: GenerationRequest,
-                             opened: Opened) -> list[logprobs.TokenLogprob]:
+                             opened: Opened) -> list[logprob_records.TokenLogprob]:
         """The log-probabilities the earlier attempts committed with the resumed tokens."""
         data = await self.store.load_scores(gen.handle.session_id, opened.start)
-        scores = logprobs.unpack(data, gen.top_logprobs, len(opened.resumed))
+        scores = logprob_records.unpack(data, gen.top_logprobs, len(opened.resumed))
         if scores is None:
             raise PreconditionFailed(f"the log-probabilities of request {req.request_id!r} are no longer kept (lost "
                                      "with a Redis that lost its writes); send it as a new request")
@@ -514,7 +514,7 @@ class Generator:
             0.0 if req.gamma is not None else self.stop_below[0 if p.greedy else 1],
             prompt_len, time.monotonic(), request_id=req.request_id, logprobs=req.logprobs,
             top_logprobs=req.top_logprobs, processed_logprobs=req.processed_logprobs, ends=ends,
-            shapes=shaping.shapes(p), lookup=self.lookup_rates.policy(p.greedy), lookup_asked=req.lookup)
+            shapes=shapes(p), lookup=self.lookup_rates.policy(p.greedy), lookup_asked=req.lookup)
 
     @staticmethod
     def _score_prompt(gen: Generation, before: int, start: int) -> None:
@@ -686,7 +686,7 @@ class Generator:
             gen.draft_holds = None
 
     @staticmethod
-    def _scores(gen: Generation, verdict, kept: int) -> list[logprobs.TokenLogprob] | None:
+    def _scores(gen: Generation, verdict, kept: int) -> list[logprob_records.TokenLogprob] | None:
         """The log-probabilities of the round's first `kept` tokens (the rest were cut at
         EOS or a stop string), where the request asked for them."""
         if not gen.logprobs:
@@ -695,11 +695,11 @@ class Generator:
         if len(verdict.logprobs) < kept or len(verdict.top_token_ids) < kept * top:
             raise PreconditionFailed(f"target replica {gen.handle.target_replica} returned no log-probabilities (a "
                                 "version from before them?); retry without logprobs, or once the pool is upgraded")
-        return logprobs.records(verdict.logprobs[:kept], verdict.top_token_ids[:kept * top],
+        return logprob_records.records(verdict.logprobs[:kept], verdict.top_token_ids[:kept * top],
                                 verdict.top_logprobs[:kept * top], top)
 
     def _end_round(self, gen: Generation, book: Round, new: list[int], text: str | None,
-                   scores: list[logprobs.TokenLogprob] | None, emit: Emit,
+                   scores: list[logprob_records.TokenLogprob] | None, emit: Emit,
                    first: bool) -> tuple[asyncio.Event, asyncio.Future]:
         """→ (its release, its finish): the round's bookkeeping, Redis round trip and emit,
         which overlap the next round's verification (the first round's go at once, for the
@@ -711,14 +711,14 @@ class Generator:
             release.set()
         stored = None
         if scores is not None and gen.request_id:  # kept for a retry to send again (`_stored_scores`)
-            offset = (gen.handle.length - len(new) - gen.prompt_len) * logprobs.record_bytes(gen.top_logprobs)
-            stored = AnswerScores(gen.prompt_len, offset, logprobs.pack(scores, gen.top_logprobs))
+            offset = (gen.handle.length - len(new) - gen.prompt_len) * logprob_records.record_bytes(gen.top_logprobs)
+            stored = AnswerScores(gen.prompt_len, offset, logprob_records.pack(scores, gen.top_logprobs))
         commit = self.store.round_commit(gen.handle, new, stored)
         return release, asyncio.ensure_future(self._finish_round(release, gen, book, commit, new, text, scores,
                                                                  emit))
 
     async def _finish_round(self, release: asyncio.Event, gen: Generation, book: Round, commit: RoundCommit,
-                            new: list[int], text: str | None, scores: list[logprobs.TokenLogprob] | None,
+                            new: list[int], text: str | None, scores: list[logprob_records.TokenLogprob] | None,
                             emit: Emit) -> None:
         """A round's bookkeeping, its Redis commit, then its tokens to the client, once
         `release` is set: when the next round's verification has been issued (or the loop

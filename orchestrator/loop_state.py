@@ -11,15 +11,15 @@ from orchestrator.gamma_policy import SessionPolicy
 from orchestrator.ngram import LookupPolicy, NgramIndex
 from orchestrator.round_stream import SessionLinks
 from orchestrator.text import TextStream
-from specdec.internal.v1 import replica_pb2
-from specdec import logprobs
+from specdec import logprob_records
+from specdec.cache_ref import CacheRef
 from specdec.errors import PreconditionFailed
-from specdec.logprobs import TokenLogprob
-from specdec.sampling import SamplingParams
+from specdec.internal.v1 import replica_pb2
+from specdec.logprob_records import TokenLogprob
+from specdec.loop_stats import LoopStats
 from specdec.rounds import Ends
+from specdec.sampling_params import SamplingParams
 from specdec.session_store import SessionHandle
-from specdec.sessions import CacheRef
-from specdec.spec_loop import LoopStats
 
 
 @dataclass
@@ -162,12 +162,12 @@ class PromptScores:
         return len(self.got) >= self.end - self.first
 
     def packed(self) -> bytes:
-        """The records in position order, as stored (logprobs.pack)."""
-        return logprobs.pack([self.got[p] for p in range(self.first, self.end)], self.top)
+        """The records in position order, as stored (logprob_records.pack)."""
+        return logprob_records.pack([self.got[p] for p in range(self.first, self.end)], self.top)
 
     def restore(self, data: bytes) -> bool:
         """Take them from what an earlier attempt stored → whether it was all there."""
-        records = logprobs.unpack(data, self.top, self.end - self.first)
+        records = logprob_records.unpack(data, self.top, self.end - self.first)
         if records is None:
             return False
         self.got, self.stored = dict(zip(range(self.first, self.end), records)), True
@@ -181,7 +181,7 @@ class PromptScores:
         return self.first <= position < self.end and position not in self.got
 
     def note(self, start: int, resp: replica_pb2.VerifyResponse) -> None:
-        records = logprobs.records(resp.fed_logprobs, resp.fed_top_token_ids, resp.fed_top_logprobs, self.top)
+        records = logprob_records.records(resp.fed_logprobs, resp.fed_top_token_ids, resp.fed_top_logprobs, self.top)
         for k, record in enumerate(records):
             if self.first <= start + 1 + k < self.end:
                 self.got[start + 1 + k] = record

@@ -12,7 +12,7 @@ session's lookups are kept often enough to pay for them at the current load.
 Greedy sessions use it by default (`MODES`: greedy), where verification is a comparison
 with the target's argmaxes and any proposal is lossless. Sampled sessions use it where
 the orchestrator runs with `all`: the draft's law is then a point mass on each looked-up
-token (specdec.wire.point_masses), which the target verifies as exactly as any draft law
+token (specdec.encoding.point_masses), which the target verifies as exactly as any draft law
 (x kept with chance p(x), a rejection drawn from p without x). It is not the default:
 sampled text repeats less, and at t = 1 on the bundled pair a lookup was possible at 19 %
 of positions and almost never kept (ad hoc, 2026-12-06), so its first rounds of a session

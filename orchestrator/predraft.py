@@ -22,10 +22,10 @@ from orchestrator.draft_waits import DraftWaits
 from orchestrator.gamma_policy import CostModel
 from orchestrator.loop_state import Generation
 from specdec import metrics, rounds
+from specdec.cache_ref import CacheRef
+from specdec.encoding import drop_first_rows
 from specdec.errors import DeadlineExceeded
 from specdec.internal.v1 import replica_pb2
-from specdec.sessions import CacheRef
-from specdec.wire import drop_first_rows
 from specdec.wire_pb import from_pb, ref_to_pb, to_pb
 
 OVERLAP_MIN_HIT = 0.25  # pre-draft when the estimated hit probability is at least this

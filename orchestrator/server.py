@@ -26,8 +26,8 @@ from specdec.config import add_common_args, env, parse_args, read_secret, redis_
 from specdec.errors import InvalidRequest, Overloaded, SpecDecError, Unavailable
 from specdec.gc_tuning import freeze_startup_heap
 from specdec.grpc_server import ServerShell, abort, end_leftover_tasks, server_credentials, status_of, watch_stop
-from specdec.logprobs import TokenLogprob
-from specdec.models import BUNDLED_TARGET, end_token_ids, load_tokenizer
+from specdec.logprob_records import TokenLogprob
+from specdec.model_files import BUNDLED_TARGET, end_token_ids, load_tokenizer
 from specdec.registry import Registry
 from specdec.session_store import LEASE_SECONDS, SessionStore
 from specdec.v1 import orchestrator_pb2 as pb

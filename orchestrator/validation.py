@@ -11,9 +11,8 @@ from orchestrator import request_ids
 from orchestrator.gamma_policy import MAX_GAMMA
 from orchestrator.generation import GenerationRequest
 from specdec.errors import InvalidRequest, PreconditionFailed
-from specdec.logprobs import MAX_TOP
-from specdec.sampling import SamplingParams
-from specdec.shaping import MAX_BIAS, MAX_BIASED
+from specdec.logprob_records import MAX_TOP
+from specdec.sampling_params import MAX_BIAS, MAX_BIASED, SamplingParams
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_PROMPT_CHARS = 200_000

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from datetime import datetime, timezone
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,16 +52,17 @@ def refusing_to_start(prog: str):
     or certificate file that cannot be read, a device this machine lacks or whose memory
     the model does not fit) ends the process with one line naming the problem, status 1,
     rather than a traceback."""
-    from torch import OutOfMemoryError
-
-    from specdec.models import ModelLoadError
+    from specdec.model_files import ModelLoadError
 
     try:
         yield
-    except OutOfMemoryError as exc:
-        raise SystemExit(f"{prog}: cannot start: out of device memory while loading: {exc}") from None
-    except (ModelLoadError, ValueError, OSError) as exc:
-        raise SystemExit(f"{prog}: cannot start: {exc}") from None
+    except Exception as exc:
+        torch = sys.modules.get("torch")  # the orchestrator runs without it (orchestrator/__main__.py)
+        if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+            raise SystemExit(f"{prog}: cannot start: out of device memory while loading: {exc}") from None
+        if isinstance(exc, (ModelLoadError, ValueError, OSError)):
+            raise SystemExit(f"{prog}: cannot start: {exc}") from None
+        raise
 
 
 def read_secret(path: str | None) -> str | None:

@@ -4,15 +4,17 @@ choosing the device and dtype once at start, and refusing pairs that cannot work
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_DIR = Path(os.environ.get("SPECDEC_BUNDLED_MODELS", REPO_ROOT / "models"))
-BUNDLED_DRAFT = BUNDLED_DIR / "draft"
-BUNDLED_TARGET = BUNDLED_DIR / "target"
+from specdec import model_files
+from specdec.model_files import ModelLoadError, check_local, load_tokenizer, local_only
+
+# where the bundled pair lies: model_files says (torch-free, for the orchestrator); named here
+# too, beside the loaders, for the servers, benchmarks and tests that load the pair
+REPO_ROOT, BUNDLED_DRAFT, BUNDLED_TARGET = model_files.REPO_ROOT, model_files.BUNDLED_DRAFT, model_files.BUNDLED_TARGET
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -23,10 +25,6 @@ DTYPE_NAMES = ("auto", *_DTYPES)  # what --dtype accepts (`pick_dtype`)
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 → "bfloat16": how reports and the registry name a served dtype."""
     return str(dtype).removeprefix("torch.")
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -69,60 +67,22 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _local_only(path: str) -> bool:
-    return Path(path).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1"
-
-
-def _check_local(path: str, what: str) -> None:
-    """A path written as one (absolute, ./, ../ or ~) must be a directory here: otherwise
-    Hugging Face would read it as a Hub id and answer with the rules of repository names."""
-    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
-        raise ModelLoadError(f"no {what} directory at {path!r}")
-
-
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     path = str(path)
-    _check_local(path, "model")
+    check_local(path, "model")
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=_local_only(path))
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only(path))
     except (OSError, ValueError) as exc:  # ValueError: a directory without a model's config
         raise ModelLoadError(f"cannot load a model from {path!r}: {exc}") from exc
     if config.model_type not in SUPPORTED_TYPES:
         raise ModelLoadError(f"{path}: model type {config.model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=_local_only(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local_only(path))
     return model.to(device).eval()
 
 
-def load_tokenizer(path: str | os.PathLike):
-    path = str(path)
-    _check_local(path, "tokenizer")
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
-
-
-def end_token_ids(path: str | os.PathLike, tokenizer) -> frozenset[int]:
-    """The tokens that end a model's answer: the tokenizer's EOS and those of the model's
-    generation config (generation_config.json: an id or a list), as transformers'
-    `generate()` ends on any of them. Chat models list their end of turn there beside the
-    end of text (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Qwen2.5
-    Instruct: <|im_end|>, <|endoftext|>), so an answer to `messages` ends with its turn. A
-    model without a generation config has its tokenizer's EOS alone."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    path = str(path)
-    try:
-        config = GenerationConfig.from_pretrained(path, local_files_only=_local_only(path))
-    except OSError:  # none: the tokenizer's EOS is all there is
-        return frozenset(ids)
-    eos = config.eos_token_id
-    ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    return frozenset(int(i) for i in ids)
-
-
 def vocab_size_of(path: str | os.PathLike) -> int:
-    config = AutoConfig.from_pretrained(str(path), local_files_only=_local_only(str(path)))
+    config = AutoConfig.from_pretrained(str(path), local_files_only=local_only(str(path)))
     return int(config.vocab_size)
 
 

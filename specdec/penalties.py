@@ -18,11 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdec.sampling import SamplingParams
-
-
-def penalises(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+from specdec.sampling_params import SamplingParams
 
 
 def penalise_(out: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.sessions import CacheRef
+from specdec.cache_ref import CacheRef
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Cursor:
 class Ends:
     """The tokens that end an answer: the model's end-of-sequence tokens (none where the
     request ignores them; a chat model often has several, its end of turn among them:
-    specdec.models.end_token_ids) and the request's stop token ids. Each is kept in the
+    specdec.model_files.end_token_ids) and the request's stop token ids. Each is kept in the
     answer, as EOS always was."""
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     stop_ids: frozenset[int] = field(default_factory=frozenset)

@@ -32,40 +32,13 @@ import numpy as np
 import torch
 
 from specdec import native
+from specdec.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1  # seeds are hashed as unsigned 64-bit integers
 STREAM_BONUS, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESAMPLE = 0, 1, 2, 3
 MASS_LANES = 16  # residual masses are summed in this many interleaved lanes (lane_sums)
 VECTOR_FROM = 16  # uniforms_at hashes this many or more at once in numpy
-GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
 RULES = ("block", "token")  # how sampled drafts are verified; greedy is the same under both
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = no truncation
-    top_p: float = 1.0  # 1.0 = no truncation
-    seed: int = 0
-    min_p: float = 0.0  # 0 = no truncation; else drop tokens below min_p × the most likely one's probability
-    # penalties on the tokens before each position (specdec/penalties.py), before all of the above
-    repetition_penalty: float = 1.0  # 1 = off; over the whole context
-    presence_penalty: float = 0.0  # 0 = off; over the answer's tokens (positions ≥ penalty_start)
-    frequency_penalty: float = 0.0
-    penalty_start: int = 0  # where the answer starts in the session
-    # added to the logits before the penalties (specdec/shaping.py): (token, bias) pairs, sorted
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    banned_ids: tuple[int, ...] = ()  # these tokens cannot come at positions < banned_until (min_tokens)
-    banned_until: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        # the T → 0 limit; logits divided by a smaller T overflow float32 (NaN probabilities)
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def truncates(self) -> bool:
-        return self.greedy or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def _splitmix64(x: int) -> int:

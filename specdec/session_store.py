@@ -124,7 +124,7 @@ def _meta(handle: SessionHandle) -> dict:
 
 @dataclass(frozen=True)
 class AnswerScores:
-    """A round's log-probabilities (specdec/logprobs.py `pack`) for a request with an id that
+    """A round's log-probabilities (specdec/logprob_records.py `pack`) for a request with an id that
     asked for them, committed with its tokens in the same script, so that a retry finds both
     or neither and sends them again. One key per request, named by where its answer starts;
     it expires with the session's TTL, renewed by that request's rounds and by every write

@@ -27,18 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specdec.cache_ref import CacheRef
 from specdec.errors import CacheMismatch, InvalidRequest, Overloaded
 from specdec.kv_cache import KVCache
 from specdec.model_runner import ModelRunner
-
-
-@dataclass
-class CacheRef:
-    session_id: str
-    epoch: int
-    start: int
-    tokens: list[int]
-    resync: bool = False
 
 
 MIN_SHARED = 16  # a shorter common prefix is computed again: its copy would save too little

@@ -17,11 +17,7 @@ import torch
 
 from specdec import native, penalties
 from specdec.errors import InvalidRequest
-from specdec.sampling import SamplingParams
-
-
-MAX_BIAS = 100.0  # as OpenAI's logit_bias
-MAX_BIASED = 300  # tokens a request may bias
+from specdec.sampling_params import SamplingParams, penalises
 
 
 def check(params: SamplingParams, vocab: int) -> None:
@@ -30,12 +26,6 @@ def check(params: SamplingParams, vocab: int) -> None:
     bad = [t for t in named if not 0 <= t < vocab]
     if bad:
         raise InvalidRequest(f"logit_bias and banned token ids must lie in 0..{vocab - 1}; got {bad[0]}")
-
-
-def shapes(params: SamplingParams) -> bool:
-    """Whether the request shapes its logits at all (most do not: their rows go untouched)."""
-    return bool(params.logit_bias) or (bool(params.banned_ids) and params.banned_until > 0) \
-        or penalties.penalises(params)
 
 
 def shaped(logits: torch.Tensor, ids: torch.Tensor | np.ndarray, first: int, params: SamplingParams
@@ -71,7 +61,7 @@ def shaped_by_operators(out: torch.Tensor, ids: torch.Tensor | np.ndarray, first
         early = min(rows, params.banned_until - first)  # the rows before the answer is long enough
         banned = torch.tensor(params.banned_ids, device=out.device)
         out[:early, banned] = float("-inf")
-    if penalties.penalises(params):
+    if penalises(params):
         penalties.penalise_(out, ids, first, params)
     return out
 

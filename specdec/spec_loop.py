@@ -6,39 +6,13 @@ baseline for the benchmark. With draft=None or gamma=0 it decodes with the targe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdec import rounds
 from specdec.errors import value_or_raise
+from specdec.loop_stats import LoopStats
 from specdec.sampling import SamplingParams
 from specdec.wire import decode, encode
-
-
-@dataclass
-class LoopStats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_passes: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    rejections: int = 0  # rounds that ended at a rejected draft token
-    gamma_sum: int = 0
-    accepted_per_round: list[int] = field(default_factory=list)
-
-    def observe(self, gamma: int, accepted: int) -> None:
-        """One round: γ drafted, `accepted` of them kept, one target pass."""
-        self.rounds += 1
-        self.target_passes += 1
-        self.drafted += gamma
-        self.accepted += accepted
-        self.rejections += int(accepted < gamma)
-        self.gamma_sum += gamma
-        self.accepted_per_round.append(accepted)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass

@@ -8,26 +8,11 @@ at temperature 1, where fp16 flushes the long tail to zero — and dense fp16 ot
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from specdec import native, sampling
-
-
-@dataclass
-class EncodedDistributions:
-    vocab_size: int
-    sparse: bool
-    dense_fp16: bytes = b""
-    sparse_ids_int32: bytes = b""
-    sparse_probs_fp16: bytes = b""
-    row_lengths: tuple[int, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.dense_fp16) + len(self.sparse_ids_int32) + len(self.sparse_probs_fp16) + 4 * len(self.row_lengths)
+from specdec.encoding import EncodedDistributions, sparse_is_smaller
 
 
 def quantize(probs: torch.Tensor) -> torch.Tensor:
@@ -48,12 +33,12 @@ def encode(q16: torch.Tensor) -> EncodedDistributions:
     if (kernels is not None and q16.dtype == torch.float32 and q16.device.type == "cpu"
             and q16.is_contiguous()):  # the dense bytes and the counts below in one call, to the bit
         dense, per_row = kernels.encode_fp16_rows(q16.detach())
-        if not _sparse_is_smaller(sum(per_row), gamma, vocab):
+        if not sparse_is_smaller(sum(per_row), gamma, vocab):
             return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=dense)
     a = q16.detach().cpu().numpy()
     nonzero = a > 0
     per_row = np.count_nonzero(nonzero, axis=1)
-    if _sparse_is_smaller(int(per_row.sum()), gamma, vocab):
+    if sparse_is_smaller(int(per_row.sum()), gamma, vocab):
         rows, ids = np.nonzero(nonzero)  # row-major order
         return EncodedDistributions(
             vocab_size=vocab, sparse=True,
@@ -72,7 +57,7 @@ def _encode_on_device(q16: torch.Tensor) -> EncodedDistributions:
     gamma, vocab = q16.shape
     nonzero = q16 > 0
     per_row = nonzero.sum(1).tolist()
-    if _sparse_is_smaller(sum(per_row), gamma, vocab):
+    if sparse_is_smaller(sum(per_row), gamma, vocab):
         rows, ids = nonzero.nonzero(as_tuple=True)  # row-major order, as numpy's
         return EncodedDistributions(
             vocab_size=vocab, sparse=True,
@@ -81,26 +66,6 @@ def _encode_on_device(q16: torch.Tensor) -> EncodedDistributions:
             row_lengths=tuple(per_row),
         )
     return EncodedDistributions(vocab_size=vocab, sparse=False, dense_fp16=q16.half().cpu().numpy().tobytes())
-
-
-def point_masses(tokens: list[int], vocab: int) -> EncodedDistributions:
-    """The law of a proposal drawn by no model (prompt lookup): all the mass of row i on
-    tokens[i]. The target then keeps x with chance p(x) and, where it does not, draws from
-    p without x, which is the exact rule for such a draft: a sampled session may verify a
-    looked-up draft as losslessly as one a draft model drew. Sparse, one entry a row, each
-    an fp16 1.0, so it decodes to exact one-hots."""
-    if vocab <= 0 or any(not 0 <= t < vocab for t in tokens):
-        raise ValueError(f"point masses need token ids in 0..{vocab - 1}")
-    return EncodedDistributions(vocab_size=vocab, sparse=True,
-                                sparse_ids_int32=np.asarray(tokens, dtype=np.int32).tobytes(),
-                                sparse_probs_fp16=np.ones(len(tokens), dtype=np.float16).tobytes(),
-                                row_lengths=(1,) * len(tokens))
-
-
-def _sparse_is_smaller(entries: int, gamma: int, vocab: int) -> bool:
-    """Whether `entries` positive values as ids and fp16 (6 bytes each) take fewer bytes
-    than the dense fp16 block of γ × V (2 bytes each)."""
-    return entries * 6 < gamma * vocab * 2
 
 
 def _to_fp16(values: np.ndarray) -> bytes:
@@ -157,13 +122,3 @@ def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "
     if bool((sums <= 0).any()):
         raise WireFormatError("a draft distribution row has no mass")
     return (q / sums).to(device)
-
-
-def drop_first_rows(enc: EncodedDistributions, k: int) -> EncodedDistributions:
-    """The same encoding without its first k rows (a pre-drafted continuation whose first
-    token turned out to be the committed bonus token)."""
-    if enc.sparse:
-        skip = sum(enc.row_lengths[:k])
-        return EncodedDistributions(enc.vocab_size, True, b"", enc.sparse_ids_int32[4 * skip:],
-                                    enc.sparse_probs_fp16[2 * skip:], tuple(enc.row_lengths[k:]))
-    return EncodedDistributions(enc.vocab_size, False, enc.dense_fp16[2 * k * enc.vocab_size:])

@@ -1,18 +1,17 @@
 """Domain types as their protobuf messages, both ways: the wire encoding of draft
 distributions (specdec.wire), which the draft server sends, the orchestrator trims for a
-pre-draft and the target reads; a call's cache reference (specdec.sessions.CacheRef),
+pre-draft and the target reads; a call's cache reference (specdec.cache_ref.CacheRef),
 which the orchestrator sends and both replicas read; and its sampling law
 (specdec.sampling.SamplingParams), likewise."""
 from __future__ import annotations
 
 import math
 
+from specdec.cache_ref import CacheRef
+from specdec.encoding import EncodedDistributions
 from specdec.errors import InvalidRequest
 from specdec.internal.v1 import replica_pb2
-from specdec.sampling import SamplingParams
-from specdec.shaping import MAX_BIAS, MAX_BIASED
-from specdec.sessions import CacheRef
-from specdec.wire import EncodedDistributions
+from specdec.sampling_params import MAX_BIAS, MAX_BIASED, SamplingParams
 
 
 def to_pb(enc: EncodedDistributions) -> replica_pb2.DraftDistributions:

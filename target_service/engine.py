@@ -15,7 +15,9 @@ import torch
 from specdec import logprobs as lp
 from specdec import native, sampling, shaping
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
+from specdec.logprob_records import MAX_TOP
 from specdec.model_runner import ForwardItem, ModelRunner
+from specdec.sampling_params import shapes
 from specdec.sessions import CacheRef, SessionTable
 
 MAX_GAMMA = 16
@@ -100,8 +102,8 @@ class TargetEngine:
         if any(t < 0 or t >= vocab for t in job.draft_tokens):
             raise InvalidRequest(f"draft token ids must lie in 0..{vocab - 1}")
         shaping.check(job.params, vocab)
-        if not 0 <= job.top_logprobs <= lp.MAX_TOP or job.top_logprobs and not (job.logprobs or job.fed_logprobs):
-            raise InvalidRequest(f"top_logprobs must lie in 0..{lp.MAX_TOP}, and needs logprobs or fed_logprobs")
+        if not 0 <= job.top_logprobs <= MAX_TOP or job.top_logprobs and not (job.logprobs or job.fed_logprobs):
+            raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, and needs logprobs or fed_logprobs")
         self.sessions.validate(job.ref, extra=gamma)
 
     def verify(self, jobs: list[VerifyJob]) -> list[Verdict | SpecDecError]:
@@ -166,7 +168,7 @@ class TargetEngine:
             if job.fed_logprobs:
                 rows = logits[at:at + fed - 1]
                 if job.processed:
-                    if shaping.shapes(job.params):
+                    if shapes(job.params):
                         rows = shaping.shaped(rows, item.cache.ids, job.ref.start + 1, job.params)
                     rows = lp.processed_rows(rows, [job.params] * len(rows))
                 chosen, ids, values = lp.token_logprobs(rows, torch.tensor(job.ref.tokens[1:], dtype=torch.long),
@@ -181,7 +183,7 @@ class TargetEngine:
         """The packed rows the verdicts read: `logits` itself where no job shapes its logits,
         else a copy whose shaping jobs' rows are shaped by each row's own position and prefix
         (specdec/shaping.py: the committed tokens, then the draft tokens before it)."""
-        marked = [b for b, j in enumerate(jobs) if shaping.shapes(j.params)]
+        marked = [b for b, j in enumerate(jobs) if shapes(j.params)]
         if not marked:
             return logits
         out = logits.float().clone()

@@ -4,13 +4,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec import event_loop, sampling, shaping
+from specdec import event_loop, sampling
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
 from specdec.errors import InvalidRequest, value_or_raise
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
+from specdec.sampling_params import shapes
 from specdec.wire import WireFormatError, decode
 from specdec.wire_pb import from_pb, params_from_pb, ref_from_pb
 from target_service.engine import TargetEngine, Verdict, VerifyJob
@@ -72,7 +73,7 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         reply = verdict_to_pb(value_or_raise(await self.host.batcher.submit(job)))
         # say what was applied (a replica from before these fields leaves them unset)
         reply.min_p, reply.processed_logprobs = params.min_p, request.processed_logprobs
-        reply.shaped = shaping.shapes(params)
+        reply.shaped = shapes(params)
         return reply
 
     async def Verify(self, request, context):

@@ -130,7 +130,7 @@ def test_empty_draft_pool_falls_back_to_prompt_lookup_and_recovers(stack):
 
 def test_sampled_sessions_look_up_under_all_and_keep_the_targets_law(stack, target_model, tokenizer):
     """`--prompt-lookup all`: with no draft replica, unseeded sampled sessions draft by prompt
-    lookup, their draft law a point mass on each token (specdec.wire.point_masses), and the
+    lookup, their draft law a point mass on each token (specdec.encoding.point_masses), and the
     first token out of such a round still has the target's law (chi-square over 600
     requests, both the looked-up token and others drawn); seeded ones never look up (their
     rounds must not hang on the load), nor ones saying prompt_lookup false. Under the

@@ -29,24 +29,6 @@ def test_no_top_gives_empty_columns_and_bf16_rows_are_read_in_float32():
     assert math.isclose(chosen.item(), 3 - math.log(math.exp(1) + math.exp(2) + math.exp(3)), abs_tol=1e-6)
 
 
-def test_records_split_the_flat_fields_per_token():
-    recs = lp.records([-0.5, -1.5], [3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4], top=2)
-    assert recs == [lp.TokenLogprob(-0.5, ((3, -0.1), (4, -0.2))), lp.TokenLogprob(-1.5, ((5, -0.3), (6, -0.4)))]
-    assert lp.records([-0.5], [], [], top=0) == [lp.TokenLogprob(-0.5)]
-
-
-def test_stored_records_unpack_to_what_was_packed_and_a_short_store_says_so():
-    chosen, ids, values = lp.token_logprobs(torch.randn(5, 30, generator=torch.Generator().manual_seed(1)),
-                                            torch.tensor([1, 2, 3, 4, 5]), top=3)
-    recs = lp.records(chosen.tolist(), ids.flatten().tolist(), values.flatten().tolist(), 3)
-    data = lp.pack(recs[:2], 3) + lp.pack(recs[2:], 3)  # two rounds, one after the other
-    assert len(data) == 5 * lp.record_bytes(3)
-    assert lp.unpack(data, 3, 5) == recs and lp.unpack(data, 3, 4) == recs[:4]
-    assert lp.unpack(data, 3, 6) is None and lp.unpack(b"", 0, 0) == []
-    bare = [lp.TokenLogprob(r.logprob) for r in recs]
-    assert lp.unpack(lp.pack(bare, 0), 0, 5) == bare
-
-
 def test_processed_rows_are_the_sampled_laws_in_log_space():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 2
     laws = [SamplingParams(0.7, top_k=10, min_p=0.1), SamplingParams(0.0), SamplingParams(1.0, top_p=0.8)]

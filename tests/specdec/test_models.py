@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 
-from specdec.models import (ModelLoadError, check_pair, cuda_dtype, end_token_ids, load_model, load_tokenizer,
-                            pick_device, pick_dtype)
+from specdec.model_files import end_token_ids
+from specdec.models import ModelLoadError, check_pair, cuda_dtype, load_model, load_tokenizer, pick_device, pick_dtype
 
 
 def test_bundled_pair_is_accepted(bundled_paths):

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specdec.penalties import penalise_, penalises
-from specdec.sampling import SamplingParams
+from specdec.penalties import penalise_
+from specdec.sampling_params import SamplingParams, penalises
 
 V = 40
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec import sampling, wire
+from specdec import encoding, sampling, wire
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from, verify, verify_greedy
 
 V = 12
@@ -292,13 +292,13 @@ def test_both_rules_give_exactly_the_targets_law_and_block_at_least_the_tokens(s
 class LookupLaws(ContextLaws):
     """A prompt lookup's draft: no model draws it, each token a function of the prefix
     (here of its sum), so its law is the point mass the wire carries for it
-    (specdec.wire.point_masses), decoded as the target decodes it; the target's laws as in
+    (specdec.encoding.point_masses), decoded as the target decodes it; the target's laws as in
     ContextLaws, zeros included (a looked-up token the target never emits)."""
 
     def __call__(self, prefix: tuple) -> tuple[list[float], list[float]]:
         if prefix not in self.laws:
             guess = (3 * sum(prefix) + len(prefix)) % self.vocab
-            q = wire.decode(wire.point_masses([guess], self.vocab), 1)[0].tolist()
+            q = wire.decode(encoding.point_masses([guess], self.vocab), 1)[0].tolist()
             self.laws[prefix] = (self._draw(True), q)
         return self.laws[prefix]
 

@@ -5,7 +5,7 @@ import torch
 
 from specdec import shaping
 from specdec.errors import InvalidRequest
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams, shapes
 from tests.specdec.test_penalties import reference
 
 V = 30
@@ -18,7 +18,7 @@ def test_a_bias_is_added_to_every_row():
     want = logits.clone()
     want[:, 4] += 2.5
     want[:, 7] -= 100.0
-    assert torch.equal(out, want) and shaping.shapes(params)
+    assert torch.equal(out, want) and shapes(params)
 
 
 def test_banned_tokens_are_out_of_the_rows_before_their_position_only():
@@ -28,7 +28,7 @@ def test_banned_tokens_are_out_of_the_rows_before_their_position_only():
     assert torch.isinf(out[:2, [0, 9]]).all() and torch.equal(out[2:], logits[2:])
     assert torch.equal(out[:2, 1:9], logits[:2, 1:9])
     assert torch.equal(shaping.shaped(logits, torch.zeros(10, dtype=torch.long), 7, params), logits)
-    assert not shaping.shapes(SamplingParams(banned_ids=(0,), banned_until=0)) and not shaping.shapes(SamplingParams())
+    assert not shapes(SamplingParams(banned_ids=(0,), banned_until=0)) and not shapes(SamplingParams())
 
 
 def test_penalties_come_after_the_bias():

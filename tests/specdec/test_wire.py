@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specdec import native, sampling
-from specdec.wire import EncodedDistributions, _encode_on_device, decode, drop_first_rows, encode, quantize
+from specdec.encoding import EncodedDistributions, drop_first_rows, point_masses
+from specdec.wire import _encode_on_device, decode, encode, quantize
 
 
 def _rows(gamma: int, vocab: int, keep: int | None, seed: int = 0) -> torch.Tensor:
@@ -69,7 +70,7 @@ def test_malformed_distributions_are_refused_with_what_is_wrong():
     target must refuse the call rather than verify against a law that is not one."""
     import pytest
 
-    from specdec.wire import EncodedDistributions, WireFormatError
+    from specdec.wire import WireFormatError
 
     for bad in (float("nan"), float("inf"), -float("inf"), -0.25):
         with pytest.raises(WireFormatError, match="negative or non-finite"):
@@ -161,7 +162,6 @@ def test_the_gpu_encoding_is_the_hosts_to_the_bit(vocab, keep):
 def test_point_masses_decode_to_exact_one_hots_and_refuse_tokens_outside_the_vocabulary():
     """Prompt lookup's draft law (a sampled session's looked-up tokens): one sparse entry a
     row, an fp16 1.0, decoded to exact one-hots."""
-    from specdec.wire import point_masses
 
     tokens = [7, 0, 4095, 7]
     enc = point_masses(tokens, 4096)
