@@ -61,10 +61,11 @@ def test_metrics_count_rounds_acceptance_and_cache(local_stack):
         assert replica['specdec_engine_seconds_sum{pool="target"}'] > 0
         assert replica['specdec_replica_evictions_total{pool="target"}'] >= 1
         assert 'specdec_batch_hold_seconds_count{pool="target"}' in replica
-        # both processes froze their start-up heap (torch, transformers, the model) out of the
-        # cyclic collector before serving
-        for samples in (m, replica):
-            assert samples["specdec_gc_frozen_objects"] > 100_000
+        # both processes froze their start-up heap out of the cyclic collector before serving:
+        # the replica's torch, transformers and model, the orchestrator's transformers and
+        # tokenizer (it runs without torch: 93,139 objects in the run that set this bound)
+        assert replica["specdec_gc_frozen_objects"] > 100_000
+        assert m["specdec_gc_frozen_objects"] > 50_000
     finally:
         for rep, group in ((orch, local_stack.orchestrators), (target, local_stack.replicas)):
             local_stack.kill(rep, sig=15)
