@@ -42,7 +42,7 @@ def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths
     stack = started_stack(lambda: LocalStack(extra_env=stack_env("both", True)), drafts=2, targets=2,
                           orchestrators=2)
     try:
-        report = asyncio.run(soak(stack, streams=4, seconds=30, max_new_tokens=24, chaos=4.0,
+        report = asyncio.run(soak(stack, streams=4, seconds=16, max_new_tokens=24, chaos=2.0,
                                   chaos_signal="both", chaos_orchestrators=True, min_stops=4))
         # the servers' logs go with a failure: the stack's files are gone once it stops
         diagnosis = "" if passed(report) else stack.diagnostics(lines=60)
