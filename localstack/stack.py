@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
+from specdec.model_files import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
 
 
 STOP_WAIT_S = 15.0  # how long `LocalStack.stop` waits for a server to exit after SIGTERM

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from transformers import AutoTokenizer, GenerationConfig
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_DIR = Path(os.environ.get("SPECDEC_BUNDLED_MODELS", REPO_ROOT / "models"))
 BUNDLED_DRAFT = BUNDLED_DIR / "draft"
@@ -34,6 +32,8 @@ def check_local(path: str, what: str) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer  # here, not above: the paths need no transformers (localstack's CLI)
+
     path = str(path)
     check_local(path, "tokenizer")
     try:
@@ -49,6 +49,8 @@ def end_token_ids(path: str | os.PathLike, tokenizer) -> frozenset[int]:
     end of text (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Qwen2.5
     Instruct: <|im_end|>, <|endoftext|>), so an answer to `messages` ends with its turn. A
     model without a generation config has its tokenizer's EOS alone."""
+    from transformers import GenerationConfig
+
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     path = str(path)
     try:
