@@ -2,7 +2,7 @@
 distributions (specdec.wire), which the draft server sends, the orchestrator trims for a
 pre-draft and the target reads; a call's cache reference (specdec.cache_ref.CacheRef),
 which the orchestrator sends and both replicas read; and its sampling law
-(specdec.sampling.SamplingParams), likewise."""
+(specdec.sampling_params.SamplingParams), likewise."""
 from __future__ import annotations
 
 import math
