@@ -10,6 +10,8 @@ short lease shows what fails on CUDA, and where, before the benchmark's numbers.
 - a paged batch: sessions of other lengths, a prefill among verifications, a rollback and a
   fork, every session's logits against Hugging Face's over its text;
 - the draft's wire encoding on the device against the host's, byte for byte;
+- the verdicts over a draft's rows kept fp16 (a GPU servicer's) against those over its
+  decoded float64 rows, to the bit;
 - the in-process speculative loop on the device: greedy token-identical to target-only
   greedy, and seeded t = 1 reproducible.
 
@@ -139,6 +141,40 @@ def check_wire(device: torch.device) -> bool:
     return ok
 
 
+def check_half_rows(device: torch.device, batches: int = 12) -> bool:
+    """A GPU's target servicer keeps the draft's rows fp16 until read (specdec/draft_rows.py):
+    its verdicts, decided on the device, must be those over the decoded float64 rows, to the
+    bit, under both rules."""
+    from specdec import sampling
+    from specdec.model_runner import ModelRunner
+    from specdec.models import BUNDLED_TARGET, load_model
+    from specdec.sampling import SamplingParams
+    from specdec.sessions import CacheRef
+    from specdec.wire import decode, decode_half, encode, quantize
+    from target_service.engine import TargetEngine, VerifyJob
+
+    runner = ModelRunner(load_model(BUNDLED_TARGET, device, torch.float32))
+    V, gen, ok = runner.vocab_size, torch.Generator().manual_seed(4), True
+    laws = [SamplingParams(1.0, seed=4), SamplingParams(0.7, 0, 1.0, 9), SamplingParams(1.0, 40, 1.0, 2)]
+    for rule in sampling.RULES:
+        engine, same = TargetEngine(runner, rule=rule), 0
+        for trial in range(batches):
+            decoded, kept = [], []
+            for b, params in enumerate(laws):
+                gamma = 1 + (trial + b) % 5
+                q16 = quantize(torch.softmax(torch.randn(gamma, V, generator=gen) * 3, -1))
+                draft = torch.multinomial(q16, 1, generator=gen).view(-1).tolist()
+                ref, enc = CacheRef(f"s{b}", 1, 0, [5]), encode(q16)
+                decoded.append(VerifyJob(ref, draft, decode(enc, gamma), params))
+                kept.append(VerifyJob(ref, draft, decode_half(enc, gamma), params))
+            logits = (torch.randn(sum(len(j.draft_tokens) + 1 for j in decoded), V, generator=gen) * 3).to(device)
+            same += engine._decide(kept, logits) == engine._decide(decoded, logits)
+        ok &= same == batches
+        print(f"verdicts {rule:5s} over fp16 rows == over float64 rows in {same} of {batches} batches  "
+              f"{'ok' if same == batches else 'FAIL'}")
+    return ok
+
+
 def check_loop(device: torch.device, dtype: torch.dtype, prompts: int, tokens: int, attention: str = "auto") -> bool:
     """Greedy speculation token-identical to target-only greedy in float32; in 16 bits the
     products may round a verification's rows otherwise than one row's (cuBLAS picks its
@@ -211,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     ok &= _run(check_forward, name, path, device, dtype, force, attention)
                 ok &= _run(check_paged_batch, name, path, device, dtype, force)
     ok &= _run(check_wire, device)
+    ok &= _run(check_half_rows, device)
     for dtype in (torch.float32, half) if device.type == "cuda" else (torch.float32,):  # auto: paged on a GPU
         ok &= _run(check_loop, device, dtype, args.prompts, args.tokens, "auto" if device.type == "cuda" else "paged")
     print("all checks passed" if ok else "some checks FAILED")

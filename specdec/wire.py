@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from specdec import native, sampling
+from specdec.draft_rows import DraftRows
 from specdec.encoding import EncodedDistributions, sparse_is_smaller
 
 
@@ -87,25 +88,14 @@ class WireFormatError(ValueError):
 
 def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """→ [γ, V] float64 distributions, normalised exactly as the draft's sampler weighs them."""
-    V = enc.vocab_size
-    if V <= 0:
-        raise WireFormatError("draft distributions carry no vocabulary size")
+    V = _vocab(enc)
     if enc.sparse:  # built in numpy: a few calls, not a torch dispatch each (hot path)
-        lengths = np.asarray(enc.row_lengths, dtype=np.int64)
-        if len(lengths) != gamma or (gamma and (lengths.min() < 1 or lengths.max() > V)):
-            raise WireFormatError(f"sparse draft distributions need {gamma} rows of 1..{V} entries")
-        total = int(lengths.sum())
-        if len(enc.sparse_ids_int32) != 4 * total or len(enc.sparse_probs_fp16) != 2 * total:
-            raise WireFormatError("sparse draft distributions: byte lengths do not match row_lengths")
-        ids = np.frombuffer(enc.sparse_ids_int32, dtype=np.int32)
-        if total and (int(ids.min()) < 0 or int(ids.max()) >= V):
-            raise WireFormatError(f"sparse draft distributions: token id outside 0..{V - 1}")
+        lengths, ids = _sparse_entries(enc, gamma)
         a = np.zeros((gamma, V), dtype=np.float64)  # few values: numpy's slow fp16 cast is cheap here
         a[np.repeat(np.arange(gamma), lengths), ids] = np.frombuffer(enc.sparse_probs_fp16, dtype=np.float16)
         q = torch.from_numpy(a)
     else:
-        if len(enc.dense_fp16) != 2 * gamma * V:
-            raise WireFormatError(f"dense draft distributions need {2 * gamma * V} bytes, got {len(enc.dense_fp16)}")
+        _check_dense(enc, gamma)
         kernels = native.loaded()
         if kernels is not None:  # the lines below in one call, to the bit (tests/specdec/test_wire.py)
             try:
@@ -113,12 +103,70 @@ def decode(enc: EncodedDistributions, gamma: int, device: torch.device | str = "
             except ValueError as exc:
                 raise WireFormatError(str(exc)) from None
         q = _fp16(enc.dense_fp16).view(gamma, V)
-    # summed in sampling.lane_sums' order, as specdec.native's decode_fp16_rows sums them
-    sums = sampling.lane_sums(q)[:, None]
+    sums = _checked_sums(q)[:, None]
+    return (q / sums).to(device)
+
+
+def decode_half(enc: EncodedDistributions, gamma: int) -> DraftRows:
+    """`decode`'s rows kept fp16 beside their sums (specdec/draft_rows.py), with its checks
+    and refusals: for a target whose verdicts run on a GPU, which reads a few values and a
+    few rows of them, and moves a quarter of the bytes to the device."""
+    V = _vocab(enc)
+    if enc.sparse:
+        lengths, ids = _sparse_entries(enc, gamma)
+        values = torch.zeros(gamma, V, dtype=torch.float16)
+        values[torch.from_numpy(np.repeat(np.arange(gamma), lengths)), torch.from_numpy(ids.astype(np.int64))] = \
+            torch.from_numpy(np.frombuffer(enc.sparse_probs_fp16, dtype=np.float16).copy())
+    else:
+        _check_dense(enc, gamma)
+        if not gamma:
+            return DraftRows(torch.zeros(0, V, dtype=torch.float16), torch.zeros(0, dtype=torch.float64))
+        values = torch.frombuffer(bytearray(enc.dense_fp16), dtype=torch.float16).view(gamma, V)
+    kernels = native.loaded()
+    if kernels is not None and gamma:  # the sums below in one pass over the fp16 values, to the bit
+        try:
+            return DraftRows(values, kernels.fp16_row_sums(values))
+        except ValueError as exc:
+            raise WireFormatError(str(exc)) from None
+    return DraftRows(values, _checked_sums(values.double()))
+
+
+def _vocab(enc: EncodedDistributions) -> int:
+    if enc.vocab_size <= 0:
+        raise WireFormatError("draft distributions carry no vocabulary size")
+    return enc.vocab_size
+
+
+def _sparse_entries(enc: EncodedDistributions, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse encoding's checked layout → (its rows' lengths, its token ids)."""
+    V = enc.vocab_size
+    lengths = np.asarray(enc.row_lengths, dtype=np.int64)
+    if len(lengths) != gamma or (gamma and (lengths.min() < 1 or lengths.max() > V)):
+        raise WireFormatError(f"sparse draft distributions need {gamma} rows of 1..{V} entries")
+    total = int(lengths.sum())
+    if len(enc.sparse_ids_int32) != 4 * total or len(enc.sparse_probs_fp16) != 2 * total:
+        raise WireFormatError("sparse draft distributions: byte lengths do not match row_lengths")
+    ids = np.frombuffer(enc.sparse_ids_int32, dtype=np.int32)
+    if total and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        raise WireFormatError(f"sparse draft distributions: token id outside 0..{V - 1}")
+    return lengths, ids
+
+
+def _check_dense(enc: EncodedDistributions, gamma: int) -> None:
+    expected = 2 * gamma * enc.vocab_size
+    if len(enc.dense_fp16) != expected:
+        raise WireFormatError(f"dense draft distributions need {expected} bytes, got {len(enc.dense_fp16)}")
+
+
+def _checked_sums(q: torch.Tensor) -> torch.Tensor:
+    """[γ, V] float64 widened fp16 values → [γ] row sums, summed in sampling.lane_sums'
+    order (as specdec.native's decode_fp16_rows and fp16_row_sums sum them), or the refusal
+    of a row no law can be."""
+    sums = sampling.lane_sums(q)
     # fp16 values are finite (at most 65504) unless inf or NaN, so a row's float64 sum is
     # finite exactly when all its values are: one check over γ sums, not over γ × V values
-    if gamma and (not bool(torch.isfinite(sums).all()) or float(q.amin()) < 0):
+    if q.shape[0] and (not bool(torch.isfinite(sums).all()) or float(q.amin()) < 0):
         raise WireFormatError("draft distributions hold negative or non-finite values")
     if bool((sums <= 0).any()):
         raise WireFormatError("a draft distribution row has no mass")
-    return (q / sums).to(device)
+    return sums

@@ -14,6 +14,7 @@ import torch
 
 from specdec import logprobs as lp
 from specdec import native, sampling, shaping
+from specdec.draft_rows import Law, law_at, law_rows
 from specdec.errors import CacheMismatch, InvalidRequest, SpecDecError
 from specdec.logprob_records import MAX_TOP
 from specdec.model_runner import ForwardItem, ModelRunner
@@ -27,7 +28,9 @@ MAX_GAMMA = 16
 class VerifyJob:
     ref: CacheRef
     draft_tokens: list[int]  # [γ], may be empty (target-only decoding)
-    q: torch.Tensor | None  # [γ, V] float64 draft distributions; None when γ = 0, may be None when greedy
+    # [γ, V] draft distributions, float64 or kept fp16 (specdec/draft_rows.py: a GPU's); None
+    # when γ = 0, may be None when greedy
+    q: Law | None
     params: sampling.SamplingParams
     logprobs: bool = False  # return the kept tokens' log-probabilities (specdec/logprobs.py)
     top_logprobs: int = 0  # and this many most likely tokens at each of their positions
@@ -63,18 +66,6 @@ class Verdict:
     fed_top_logprobs: list[float] | None = None
 
 
-def _rows_at_stops(jobs: list[VerifyJob], rest: list[int], stops: list[int], gammas: list[int], V: int,
-                   device: torch.device) -> torch.Tensor:
-    """[len(rest), V] float64 on `device`: each session's draft row at its stopping position
-    (zeros after a whole draft kept: the bonus has no q), stacked where the rows are (the
-    host, for a replica) and moved in one copy: a copy per row cost a GPU a synchronous
-    transfer each."""
-    rows = [jobs[b].q[stops[b]] if stops[b] < gammas[b] else None for b in rest]
-    home = next((r.device for r in rows if r is not None), device)
-    zero = torch.zeros(V, dtype=torch.float64, device=home)
-    return torch.stack([zero if r is None else r.to(home) for r in rows]).to(device)
-
-
 class TargetEngine:
     def __init__(self, runner: ModelRunner, max_sessions: int = 256, max_cache_bytes: int = 0,
                  rule: str = "block") -> None:
@@ -83,6 +74,9 @@ class TargetEngine:
         self.runner = runner
         self.rule = rule  # how sampled drafts are verified (specdec.sampling); greedy is the same
         self.native_verdicts = True  # block verdicts by specdec.native where loaded (off: to measure it)
+        # where the verdicts run on a device, the servicer keeps the draft's rows fp16 until they
+        # are read (specdec/draft_rows.py); on a CPU they are decoded, as the native verdicts read them
+        self.half_rows = runner.device.type != "cpu"
         self.sessions = SessionTable(runner, max_sessions, max_cache_bytes)
         self.forward_passes = 0
         self.fed_tokens = 0
@@ -268,7 +262,8 @@ class TargetEngine:
         probs = sampling.probs_rows(logits, params)  # [Σ (γ + 1), V] float32
         kernels = native.loaded()
         if (kernels is not None and self.native_verdicts and self.rule == "block" and probs.is_cpu
-                and all(j.q.is_cpu and j.q.dtype == torch.float64 for j, g in zip(jobs, gammas) if g)):
+                and all(isinstance(j.q, torch.Tensor) and j.q.is_cpu and j.q.dtype == torch.float64
+                        for j, g in zip(jobs, gammas) if g)):
             return self._decide_block_natively(kernels, jobs, probs, gammas, starts, firsts)
         accepted = torch.zeros(B, dtype=torch.long)
         chances: list[list[float]] = [[] for _ in jobs]
@@ -281,8 +276,7 @@ class TargetEngine:
             q_x = torch.zeros(B, G, dtype=torch.float64)
             p_x[batch_of, step] = probs[torch.tensor([starts[b] + i for b, i in slots], device=device),
                                         tokens.to(device)].double().cpu()
-            q_x[batch_of, step] = torch.cat([j.q[torch.arange(g), torch.tensor(j.draft_tokens)].cpu()
-                                             for j, g in zip(jobs, gammas) if g])
+            q_x[batch_of, step] = torch.cat([law_at(j.q, j.draft_tokens) for j, g in zip(jobs, gammas) if g])
             u_acc = torch.zeros(B, G, dtype=torch.float64)
             u_acc[batch_of, step] = sampling.uniforms_at([jobs[b].params.seed for b, _ in slots],
                                                          [firsts[b] + i for b, i in slots], sampling.STREAM_ACCEPT)
@@ -308,7 +302,8 @@ class TargetEngine:
                 next_token[b] = token
 
         if rest:
-            q_n = _rows_at_stops(jobs, rest, stops, gammas, V, device)
+            # each session's draft row at its stopping position (none after a whole draft kept)
+            q_n = law_rows([(jobs[b].q, stops[b]) if stops[b] < gammas[b] else None for b in rest], V, device)
             u_n = sampling.uniforms_at([jobs[b].params.seed for b in rest], [firsts[b] + stops[b] for b in rest],
                                        sampling.STREAM_RESAMPLE)
             w_n = None
@@ -356,7 +351,7 @@ class TargetEngine:
         masses: dict[tuple[int, int], float] = {}
         if inner:
             rows = probs[torch.tensor([starts[b] + i for b, i in inner], device=probs.device)]
-            q_rows = torch.stack([jobs[b].q[i] for b, i in inner])
+            q_rows = law_rows([(jobs[b].q, i) for b, i in inner], probs.shape[-1], probs.device)
             w = torch.tensor([weights[b][i] for b, i in inner], dtype=torch.float64)
             masses = dict(zip(inner, sampling.residual_mass(w, rows, q_rows).tolist()))
         stops = [sampling.block_prefix_row(weights[b], [masses.get((b, i), 0.0) for i in range(1, g)], us[b][:g])

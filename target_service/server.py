@@ -6,29 +6,32 @@ import asyncio
 
 from specdec import event_loop, sampling
 from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
+from specdec.draft_rows import Law
 from specdec.errors import InvalidRequest, value_or_raise
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
 from specdec.models import BUNDLED_TARGET
 from specdec.replica import ReplicaHost, build_runner
 from specdec.sampling_params import shapes
-from specdec.wire import WireFormatError, decode
+from specdec.wire import WireFormatError, decode, decode_half
 from specdec.wire_pb import from_pb, params_from_pb, ref_from_pb
 from target_service.engine import TargetEngine, Verdict, VerifyJob
 
 SERVICE = replica_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
-def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int, greedy: bool = False):
+def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int, greedy: bool = False,
+                          half: bool = False) -> Law | None:
     """The draft's distributions, or None where none are needed: no draft, or a greedy
-    request that sent none (the greedy rule compares tokens only)."""
+    request that sent none (the greedy rule compares tokens only). `half`: kept fp16 beside
+    their sums (specdec.wire.decode_half, for verdicts on a GPU), else decoded to float64."""
     if gamma == 0 or (greedy and pb.vocab_size == 0):
         return None
     if pb.vocab_size != vocab:
         raise InvalidRequest(f"draft distributions are over {pb.vocab_size} tokens but the target has {vocab}")
     enc = from_pb(pb)
     try:
-        return decode(enc, gamma)
+        return decode_half(enc, gamma) if half else decode(enc, gamma)
     except WireFormatError as exc:
         raise InvalidRequest(str(exc)) from exc
 
@@ -40,12 +43,13 @@ def distributions_from_pb(pb: replica_pb2.DraftDistributions, gamma: int, vocab:
 INLINE_DECODE_VALUES = 1 << 17
 
 
-async def distributions(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int, greedy: bool = False):
+async def distributions(pb: replica_pb2.DraftDistributions, gamma: int, vocab: int, greedy: bool = False,
+                        half: bool = False) -> Law | None:
     """`distributions_from_pb`, on a worker thread where the rows are large (the native
     decode runs without the GIL, so several decode at once beside the event loop)."""
     if gamma * max(pb.vocab_size, 0) < INLINE_DECODE_VALUES:
-        return distributions_from_pb(pb, gamma, vocab, greedy)
-    return await asyncio.to_thread(distributions_from_pb, pb, gamma, vocab, greedy)
+        return distributions_from_pb(pb, gamma, vocab, greedy, half)
+    return await asyncio.to_thread(distributions_from_pb, pb, gamma, vocab, greedy, half)
 
 
 def verdict_to_pb(verdict: Verdict) -> replica_pb2.VerifyResponse:
@@ -67,7 +71,8 @@ class TargetServicer(replica_pb2_grpc.TargetServicer):
         """One verification, for the unary call and for each message of a stream."""
         gamma = len(request.draft_tokens)
         params = params_from_pb(request.sampling)
-        q = await distributions(request.distributions, gamma, self.host.engine.runner.vocab_size, params.greedy)
+        engine = self.host.engine
+        q = await distributions(request.distributions, gamma, engine.runner.vocab_size, params.greedy, engine.half_rows)
         job = VerifyJob(ref_from_pb(request.cache), list(request.draft_tokens), q, params, request.logprobs,
                         request.top_logprobs, request.fed_logprobs, request.processed_logprobs)
         reply = verdict_to_pb(value_or_raise(await self.host.batcher.submit(job)))

@@ -12,7 +12,8 @@ compiler through torch's cpp_extension (about 40 s, then cached) or loaded prebu
 - `block_verdicts`: the block rule's verdicts for a batch of sampled sessions (the target
   engine's), and `residual_masses`, specdec.sampling.residual_mass's sums to the bit;
 - `decode_fp16_rows`: a draft's dense fp16 distributions into normalised float64 rows,
-  specdec.wire.decode's to the bit.
+  specdec.wire.decode's to the bit; `fp16_row_sums`: their rows' sums alone, as
+  specdec.wire.decode_half keeps the values fp16.
 
 Each kernel picks AVX-512, AVX2 or plain C++ when it loads, so one build serves any
 x86-64 CPU. Where the build fails (no compiler, another architecture) `module()` is None,

@@ -65,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "temperature, top-k, top-p and min-p over rows of logits, as specdec.sampling.logits_to_probs_torch");
   m.def("residual_masses", &residual_masses, nogil, "the block rule's residual masses, as specdec.sampling.residual_mass");
   m.def("decode_fp16_rows", &decode_fp16_rows, "dense fp16 draft distributions as normalised float64 rows, as specdec.wire.decode");
+  m.def("fp16_row_sums", &fp16_row_sums, "each fp16 draft row's float64 sum, as specdec.wire.decode_half takes them");
   m.def("encode_fp16_rows", &encode_fp16_rows,
         "quantised float32 draft distributions as dense fp16 bytes and each row's count of positive values, as specdec.wire.encode");
   bind_shaping(m);

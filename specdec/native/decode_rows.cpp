@@ -9,6 +9,10 @@
 // that grows with the sessions in a batch). Per row: each value widened exactly, the row's
 // sum in sampling.lane_sums' order (16 lanes, each in token order, then the lanes in order),
 // and each value divided by it; the same refusals as decode, in the same order over the rows.
+//
+// fp16_row_sums: the same rows' sums alone, for a target whose verdicts run on a GPU: it keeps
+// the fp16 values (specdec/draft_rows.py) and divides only the values and rows it reads, so it
+// neither writes nor moves the float64 block (specdec.wire.decode_half).
 #include <torch/extension.h>
 
 #include <cmath>
@@ -78,22 +82,42 @@ void widen(const uint16_t* in, float* out, int64_t n) {
   }                                                                       \
   return negative;
 
+// The lane sums alone (SPECDEC_ROW_BODY without the widened copy) → whether any is negative.
+#define SPECDEC_SUM_BODY                                                  \
+  bool negative = false;                                                  \
+  int64_t v = 0;                                                          \
+  for (; v + kMassLanes <= vocab; v += kMassLanes)                        \
+    for (int k = 0; k < kMassLanes; k++) {                                \
+      const double x = in[v + k];                                         \
+      negative |= x < 0.0;                                                \
+      lane[k] += x;                                                       \
+    }                                                                     \
+  for (int k = 0; v + k < vocab; k++) {                                   \
+    const double x = in[v + k];                                           \
+    negative |= x < 0.0;                                                  \
+    lane[k] += x;                                                         \
+  }                                                                       \
+  return negative;
+
 // Each value divided by the row's sum: IEEE division, the same quotient at any width.
 #define SPECDEC_DIVIDE_BODY \
   for (int64_t v = 0; v < vocab; v++) out[v] = out[v] / total;
 
 bool row_scalar(const float* in, double* out, int64_t vocab, double* lane) { SPECDEC_ROW_BODY }
+bool sum_scalar(const float* in, int64_t vocab, double* lane) { SPECDEC_SUM_BODY }
 void divide_scalar(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 bool row_avx512(const float* in, double* out, int64_t vocab, double* lane) { SPECDEC_ROW_BODY }
+bool sum_avx512(const float* in, int64_t vocab, double* lane) { SPECDEC_SUM_BODY }
 void divide_avx512(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2")
 bool row_avx2(const float* in, double* out, int64_t vocab, double* lane) { SPECDEC_ROW_BODY }
+bool sum_avx2(const float* in, int64_t vocab, double* lane) { SPECDEC_SUM_BODY }
 void divide_avx2(double* out, int64_t vocab, double total) { SPECDEC_DIVIDE_BODY }
 #pragma GCC pop_options
 
@@ -152,6 +176,22 @@ bool widen_row(const float* in, double* out, int64_t vocab, double* lane) {
   }
 }
 
+bool sum_row(const float* in, int64_t vocab, double* lane) {
+  switch (specdec::current_isa()) {
+    case specdec::Isa::kAvx512: return sum_avx512(in, vocab, lane);
+    case specdec::Isa::kAvx2: return sum_avx2(in, vocab, lane);
+    default: return sum_scalar(in, vocab, lane);
+  }
+}
+
+// decode's refusals, in its order: negative or non-finite values anywhere, then a row without mass
+void check_totals(const std::vector<double>& totals, bool negative) {
+  for (double total : totals)  // fp16 values are finite unless inf or NaN, so a sum is finite exactly when its row is
+    if (negative || !std::isfinite(total)) throw std::invalid_argument("draft distributions hold negative or non-finite values");
+  for (double total : totals)
+    if (total <= 0.0) throw std::invalid_argument("a draft distribution row has no mass");
+}
+
 void divide_row(double* out, int64_t vocab, double total) {
   switch (specdec::current_isa()) {
     case specdec::Isa::kAvx512: return divide_avx512(out, vocab, total);
@@ -184,12 +224,31 @@ torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab
     for (int k = 0; k < kMassLanes; k++) total += lane[k];
     totals[r] = total;
   }
-  for (double total : totals)  // fp16 values are finite unless inf or NaN, so a sum is finite exactly when its row is
-    if (negative || !std::isfinite(total)) throw std::invalid_argument("draft distributions hold negative or non-finite values");
-  for (double total : totals)
-    if (total <= 0.0) throw std::invalid_argument("a draft distribution row has no mass");
+  check_totals(totals, negative);
   for (int64_t r = 0; r < rows; r++) divide_row(o + r * vocab, vocab, totals[r]);
   return out;
+}
+
+torch::Tensor fp16_row_sums(torch::Tensor values) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kFloat16 && values.device().is_cpu() &&
+                  values.is_contiguous() && values.size(1) > 0,
+              "fp16_row_sums: a contiguous [rows, vocab] float16 CPU tensor expected");
+  const int64_t rows = values.size(0), vocab = values.size(1);
+  const auto* h = reinterpret_cast<const uint16_t*>(values.data_ptr<at::Half>());
+  pybind11::gil_scoped_release nogil;  // as decode_fp16_rows: on worker threads, beside the event loop
+  std::vector<double> totals(rows);
+  std::vector<float> wide(vocab);
+  bool negative = false;
+  for (int64_t r = 0; r < rows; r++) {
+    double lane[kMassLanes] = {};
+    widen(h + r * vocab, wide.data(), vocab);
+    negative |= sum_row(wide.data(), vocab, lane);
+    double total = 0.0;
+    for (int k = 0; k < kMassLanes; k++) total += lane[k];
+    totals[r] = total;
+  }
+  check_totals(totals, negative);
+  return torch::tensor(totals, torch::dtype(torch::kFloat64));
 }
 
 std::tuple<pybind11::bytes, std::vector<int64_t>> encode_fp16_rows(torch::Tensor q) {

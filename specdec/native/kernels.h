@@ -61,3 +61,6 @@ torch::Tensor residual_masses(torch::Tensor w, torch::Tensor p, torch::Tensor q)
 torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab);
 // and quantised float32 rows → (their dense fp16 bytes, each row's count of positive values) (specdec.wire.encode)
 std::tuple<pybind11::bytes, std::vector<int64_t>> encode_fp16_rows(torch::Tensor q);
+// and each row's sum of [rows, vocab] fp16 values alone, in sampling.lane_sums' order, with
+// decode's refusals (specdec.wire.decode_half)
+torch::Tensor fp16_row_sums(torch::Tensor values);

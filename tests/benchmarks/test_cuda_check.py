@@ -13,6 +13,7 @@ def test_the_gpu_checks_pass_here_with_the_gpu_layout(capsys):
     assert cuda_check.main(["--device", "cpu", "--prompts", "1", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
     assert out.count("forward ") == 8 and out.count("batch ") == 4 and out.count("wire ") == 2
+    assert out.count("verdicts ") == 2 and "over fp16 rows == over float64 rows in 12 of 12" in out
     assert out.count("loop ") == 1 and "loop     prompt 0 paged" in out
     assert "FAIL" not in out and out.rstrip().endswith("all checks passed")
 

@@ -311,3 +311,43 @@ def test_a_refused_job_leaves_no_cycle_holding_the_batch(target_model):
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("rule", sampling.RULES)
+def test_rows_kept_fp16_give_the_decoded_rows_verdicts_to_the_bit(target_model, rule):
+    """A GPU's servicer keeps the draft's rows fp16 beside their sums (specdec/draft_rows.py);
+    the verdicts read the same probabilities, so they are the same to the bit as over the
+    decoded float64 rows, natively decided or not, deep and full acceptances alike."""
+    from specdec.wire import decode, decode_half, encode, quantize
+
+    engine = TargetEngine(ModelRunner(target_model), rule=rule)
+    V = engine.runner.vocab_size
+    g = torch.Generator().manual_seed(5)
+    laws = [SamplingParams(1.0, seed=4), SamplingParams(0.7, 0, 1.0, 9), SamplingParams(1.0, 40, 1.0, 2),
+            SamplingParams(0.0), SamplingParams(1.0, 0, 0.8, 1)]
+    full = stopped = 0
+    for trial in range(40):
+        gammas = [(trial + b) % 6 for b in range(len(laws))]
+        decoded, kept = [], []
+        for b, (params, gamma) in enumerate(zip(laws, gammas)):
+            q16 = quantize(torch.softmax(torch.randn(gamma, V, generator=g) * 3, -1))
+            draft = torch.multinomial(q16, 1, generator=g).view(-1).tolist() if gamma else []
+            ref = CacheRef(f"s{b}", 1, 7 * trial + b, [5])
+            enc = encode(q16) if gamma else None
+            decoded.append(VerifyJob(ref, draft, decode(enc, gamma) if gamma else None, params))
+            kept.append(VerifyJob(ref, draft, decode_half(enc, gamma) if gamma else None, params))
+        logits = torch.randn(sum(gamma + 1 for gamma in gammas), V, generator=g) * 3
+        row = 0
+        for job in decoded:
+            for i, token in enumerate(job.draft_tokens):
+                if (trial + i) % 3:
+                    logits[row + i, token] += 8 + trial % 4
+            row += len(job.draft_tokens) + 1
+        want = engine._decide(decoded, logits)
+        assert engine._decide(kept, logits) == want, trial
+        engine.native_verdicts = False
+        assert engine._decide(decoded, logits) == want, trial
+        engine.native_verdicts = True
+        full += sum(1 for job, (n, _, _) in zip(decoded, want) if job.draft_tokens and n == len(job.draft_tokens))
+        stopped += sum(1 for job, (n, _, _) in zip(decoded, want) if n < len(job.draft_tokens))
+    assert full >= 10 and stopped >= 10  # both the bonus and the recovery were compared

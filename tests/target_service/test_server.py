@@ -1,6 +1,6 @@
 """The target servicer's decoding of draft distributions: large rows on a worker thread
 (the event loop keeps serving meanwhile), small ones inline, the same rows either way and
-the same refusals."""
+the same refusals; kept fp16 where its verdicts run on a GPU."""
 import asyncio
 import threading
 
@@ -60,3 +60,22 @@ def test_a_large_block_refused_on_a_worker_thread_is_refused_as_inline():
         asyncio.run(server.distributions(pb, 4, 128256))
     with pytest.raises(InvalidRequest, match="are over 128256 tokens but the target has 4096"):
         asyncio.run(server.distributions(pb, 4, 4096))
+
+
+@pytest.mark.parametrize("vocab,keep", [(4096, None), (128256, None), (128256, 50)])
+def test_rows_kept_fp16_read_as_the_decoded_rows(vocab, keep):
+    """What a GPU's servicer hands its engine (TargetEngine.half_rows): the fp16 values and
+    their sums, whose rows are the decoded rows to the bit; the same refusals."""
+    from specdec.draft_rows import DraftRows
+
+    pb = block(4, vocab, keep)
+    kept = asyncio.run(server.distributions(pb, 4, vocab, half=True))
+    decoded = server.distributions_from_pb(pb, 4, vocab)
+    assert isinstance(kept, DraftRows) and kept.values.dtype == torch.float16
+    assert all(torch.equal(kept.row(i), decoded[i]) for i in range(4))
+    assert server.distributions_from_pb(pb, 0, vocab, half=True) is None
+    pb.dense_fp16 = pb.dense_fp16[:-2] if not keep else pb.dense_fp16
+    pb.row_lengths[:] = [0, 1, 1, 1] if keep else []
+    with pytest.raises(InvalidRequest, match="sparse draft distributions need 4 rows" if keep else "bytes, got"):
+        asyncio.run(server.distributions(pb, 4, vocab, half=True))
+
