@@ -61,43 +61,29 @@ void widen(const uint16_t* in, float* out, int64_t n) {
   }
 }
 
-// One row: the widened values into out as float64, their lane sums (lane[k] += the values
-// v ≡ k mod kMassLanes, in order) → whether any is negative. Adds and compares only: the same
-// results at any vector width, which the target attributes below let the compiler choose.
-#define SPECDEC_ROW_BODY                                                  \
+// One row's lane sums (lane[k] += the values v ≡ k mod kMassLanes, in order) → whether any
+// is negative; STORE also keeps each widened value (decode's rows) or nothing (the sums
+// alone). Adds and compares only: the same results at any vector width, which the target
+// attributes below let the compiler choose.
+#define SPECDEC_LANES_BODY(STORE)                                         \
   bool negative = false;                                                  \
   int64_t v = 0;                                                          \
   for (; v + kMassLanes <= vocab; v += kMassLanes)                        \
     for (int k = 0; k < kMassLanes; k++) {                                \
       const double x = in[v + k];                                         \
-      out[v + k] = x;                                                     \
+      STORE                                                               \
       negative |= x < 0.0;                                                \
       lane[k] += x;                                                       \
     }                                                                     \
   for (int k = 0; v + k < vocab; k++) {                                   \
     const double x = in[v + k];                                           \
-    out[v + k] = x;                                                       \
+    STORE                                                                 \
     negative |= x < 0.0;                                                  \
     lane[k] += x;                                                         \
   }                                                                       \
   return negative;
-
-// The lane sums alone (SPECDEC_ROW_BODY without the widened copy) → whether any is negative.
-#define SPECDEC_SUM_BODY                                                  \
-  bool negative = false;                                                  \
-  int64_t v = 0;                                                          \
-  for (; v + kMassLanes <= vocab; v += kMassLanes)                        \
-    for (int k = 0; k < kMassLanes; k++) {                                \
-      const double x = in[v + k];                                         \
-      negative |= x < 0.0;                                                \
-      lane[k] += x;                                                       \
-    }                                                                     \
-  for (int k = 0; v + k < vocab; k++) {                                   \
-    const double x = in[v + k];                                           \
-    negative |= x < 0.0;                                                  \
-    lane[k] += x;                                                         \
-  }                                                                       \
-  return negative;
+#define SPECDEC_ROW_BODY SPECDEC_LANES_BODY(out[v + k] = x;)
+#define SPECDEC_SUM_BODY SPECDEC_LANES_BODY()
 
 // Each value divided by the row's sum: IEEE division, the same quotient at any width.
 #define SPECDEC_DIVIDE_BODY \

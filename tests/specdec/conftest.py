@@ -1,4 +1,5 @@
-"""Fixtures of the specdec tests: specdec.native's kernels on each instruction set."""
+"""Fixtures of the specdec tests: specdec.native's kernels on each instruction set, and a
+call made natively and by torch's operators."""
 import pytest
 
 from specdec import native
@@ -18,3 +19,22 @@ def isa(request):
     before = module.set_isa(request.param)
     yield request.param
     module.set_isa(before)
+
+
+@pytest.fixture
+def both_ways(monkeypatch):
+    """`both_ways(call, *args)` → [its result with specdec.native loaded, without it]; a
+    refusal (ValueError, WireFormatError among them) as its words."""
+    kernels = native.module()
+
+    def run(call, *args):
+        out = []
+        for loaded in (lambda: kernels, lambda: None):
+            with monkeypatch.context() as patch:
+                patch.setattr(native, "loaded", loaded)
+                try:
+                    out.append(call(*args))
+                except ValueError as exc:
+                    out.append(str(exc))
+        return out
+    return run

@@ -3,35 +3,22 @@ rows specdec.wire.decode gives, to the bit, natively or by torch's operators ali
 import pytest
 import torch
 
-from specdec import native, sampling
+from specdec import sampling
 from specdec.draft_rows import DraftRows, law_at, law_rows
 from specdec.encoding import EncodedDistributions
 from specdec.wire import WireFormatError, decode, decode_half, encode
 from tests.specdec.test_wire import _dense, _rows
 
 
-def _both(monkeypatch, enc: EncodedDistributions, gamma: int) -> list:
-    """decode_half natively and by the operators: its rows, or its refusal's words."""
-    kernels, out = native.module(), []
-    for loaded in (lambda: kernels, lambda: None):
-        with monkeypatch.context() as patch:
-            patch.setattr(native, "loaded", loaded)
-            try:
-                out.append(decode_half(enc, gamma))
-            except WireFormatError as exc:
-                out.append(str(exc))
-    return out
-
-
 @pytest.mark.parametrize("vocab,keep", [(4096, None), (4099, None), (5, None), (4096, 40), (64, 30)])
-def test_kept_rows_read_as_decoded_rows_to_the_bit(monkeypatch, isa, vocab, keep):
+def test_kept_rows_read_as_decoded_rows_to_the_bit(both_ways, isa, vocab, keep):
     q16 = _rows(6, vocab, keep, seed=vocab + (keep or 0))
     q16[2] = 0.0
     q16[2, -1] = 0.75  # mass only in the last, partial lane
     enc = encode(q16)
     assert enc.sparse == (keep is not None and keep * 3 < vocab)
     want = decode(enc, 6)
-    for rows in _both(monkeypatch, enc, 6):
+    for rows in both_ways(decode_half, enc, 6):
         assert isinstance(rows, DraftRows) and rows.shape == (6, vocab) and rows.values.dtype == torch.float16
         assert torch.equal(rows.sums, sampling.lane_sums(q16.double()))  # decode divides by these
         for i in range(6):
@@ -54,7 +41,7 @@ def test_mixed_laws_stack_as_their_decoded_rows():
     assert torch.equal(got, torch.stack([decoded[1], decoded[2], torch.zeros(300, dtype=torch.float64)]))
 
 
-def test_kept_rows_refuse_what_decode_refuses(monkeypatch, isa):
+def test_kept_rows_refuse_what_decode_refuses(both_ways, isa):
     rows = _rows(4, 40, None, seed=3)
     for bad, message in ((float("nan"), "negative or non-finite"), (-0.5, "negative or non-finite"),
                          (float("inf"), "negative or non-finite"), (None, "no mass")):
@@ -66,7 +53,7 @@ def test_kept_rows_refuse_what_decode_refuses(monkeypatch, isa):
         enc = _dense(block.tolist())
         with pytest.raises(WireFormatError, match=message):
             decode(enc, 4)
-        natively, by_operators = _both(monkeypatch, enc, 4)
+        natively, by_operators = both_ways(decode_half, enc, 4)
         assert natively == by_operators and message in natively
     for enc, gamma in ((_dense(rows.tolist()), 3), (EncodedDistributions(0, False), 1),
                        (EncodedDistributions(40, True, b"", b"\0" * 4, b"\0" * 2, (1, 1)), 2)):

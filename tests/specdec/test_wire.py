@@ -85,30 +85,15 @@ def test_malformed_distributions_are_refused_with_what_is_wrong():
 
 
 @pytest.mark.parametrize("vocab", [4096, 4099, 5])
-def test_native_dense_decoding_is_the_operators_to_the_bit(monkeypatch, isa, vocab):
+def test_native_dense_decoding_is_the_operators_to_the_bit(both_ways, isa, vocab):
     """Where specdec.native is loaded, a dense block is decoded in one call of its
     decode_fp16_rows, on every instruction set this CPU has: the same float64 rows as
     torch's operators, and the same refusals."""
-    from specdec.wire import WireFormatError
-
-    kernels = native.module()
-
-    def both(enc, gamma):
-        out = []
-        for loaded in (lambda: kernels, lambda: None):
-            with monkeypatch.context() as patch:
-                patch.setattr(native, "loaded", loaded)
-                try:
-                    out.append(decode(enc, gamma))
-                except WireFormatError as exc:
-                    out.append(str(exc))
-        return out
-
     q16 = _rows(6, vocab, keep=None, seed=vocab)
     q16[1, ::3] = 0.0  # zeros inside a row
     q16[2] = 0.0
     q16[2, -1] = 0.75  # mass only in the last, partial lane
-    natively, by_operators = both(encode(q16), 6)
+    natively, by_operators = both_ways(decode, encode(q16), 6)
     assert not encode(q16).sparse and torch.equal(natively, by_operators)
     assert torch.equal(natively, _normalised(q16))
     for bad, message in ((float("nan"), "negative or non-finite"), (-0.5, "negative or non-finite"),
@@ -118,7 +103,7 @@ def test_native_dense_decoding_is_the_operators_to_the_bit(monkeypatch, isa, voc
             rows[4] = 0.0
         else:
             rows[3, 1] = bad
-        natively, by_operators = both(_dense(rows.tolist()), 6)
+        natively, by_operators = both_ways(decode, _dense(rows.tolist()), 6)
         assert natively == by_operators and message in natively
 
 

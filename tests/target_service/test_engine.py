@@ -73,6 +73,19 @@ def test_a_mixed_batch_decides_each_session_as_if_alone(target_model, rule):
     assert deepest >= 2  # the test reached past the first draft token
 
 
+def _liking(jobs: list[VerifyJob], trial: int, V: int, g: torch.Generator) -> torch.Tensor:
+    """The batch's target logits, random but for most draft tokens, which the target likes
+    (by a margin that varies with the trial): deep and full acceptances, bonuses and stops."""
+    logits = torch.randn(sum(len(job.draft_tokens) + 1 for job in jobs), V, generator=g) * 3
+    row = 0
+    for job in jobs:
+        for i, token in enumerate(job.draft_tokens):
+            if (trial + i) % 3:
+                logits[row + i, token] += 8 + trial % 4
+        row += len(job.draft_tokens) + 1
+    return logits
+
+
 def test_native_block_verdicts_are_the_operators_verdicts_to_the_bit(target_model, monkeypatch):
     """Where specdec.native is loaded, sampled sessions under the block rule are decided in
     one call of its block_verdicts; without it, by torch's operators. Both must give the
@@ -99,13 +112,7 @@ def test_native_block_verdicts_are_the_operators_verdicts_to_the_bit(target_mode
             q = q / q.sum(-1, keepdim=True)
             draft = torch.multinomial(q, 1, generator=g).view(-1).tolist() if gamma else []
             jobs.append(VerifyJob(CacheRef(f"s{b}", 1, 7 * trial + b, [5]), draft, q if gamma else None, params))
-        logits = torch.randn(sum(gamma + 1 for gamma in gammas), V, generator=g) * 3
-        row = 0
-        for job in jobs:
-            for i, token in enumerate(job.draft_tokens):
-                if (trial + i) % 3:
-                    logits[row + i, token] += 8 + trial % 4
-            row += len(job.draft_tokens) + 1
+        logits = _liking(jobs, trial, V, g)
         natively = engine._decide(jobs, logits)
         with monkeypatch.context() as patch:
             patch.setattr(native, "loaded", lambda: None)
@@ -336,13 +343,7 @@ def test_rows_kept_fp16_give_the_decoded_rows_verdicts_to_the_bit(target_model, 
             enc = encode(q16) if gamma else None
             decoded.append(VerifyJob(ref, draft, decode(enc, gamma) if gamma else None, params))
             kept.append(VerifyJob(ref, draft, decode_half(enc, gamma) if gamma else None, params))
-        logits = torch.randn(sum(gamma + 1 for gamma in gammas), V, generator=g) * 3
-        row = 0
-        for job in decoded:
-            for i, token in enumerate(job.draft_tokens):
-                if (trial + i) % 3:
-                    logits[row + i, token] += 8 + trial % 4
-            row += len(job.draft_tokens) + 1
+        logits = _liking(decoded, trial, V, g)
         want = engine._decide(decoded, logits)
         assert engine._decide(kept, logits) == want, trial
         engine.native_verdicts = False
