@@ -178,6 +178,25 @@ void check_totals(const std::vector<double>& totals, bool negative) {
     if (total <= 0.0) throw std::invalid_argument("a draft distribution row has no mass");
 }
 
+// Each of `rows` fp16 rows' sum in lane order, with decode's refusals; `out`, where given,
+// also receives the rows widened to float64.
+std::vector<double> row_totals(const uint16_t* h, int64_t rows, int64_t vocab, double* out) {
+  std::vector<double> totals(rows);
+  std::vector<float> wide(vocab);
+  bool negative = false;
+  for (int64_t r = 0; r < rows; r++) {
+    double lane[kMassLanes] = {};
+    widen(h + r * vocab, wide.data(), vocab);
+    negative |= out != nullptr ? widen_row(wide.data(), out + r * vocab, vocab, lane)
+                               : sum_row(wide.data(), vocab, lane);
+    double total = 0.0;
+    for (int k = 0; k < kMassLanes; k++) total += lane[k];
+    totals[r] = total;
+  }
+  check_totals(totals, negative);
+  return totals;
+}
+
 void divide_row(double* out, int64_t vocab, double total) {
   switch (specdec::current_isa()) {
     case specdec::Isa::kAvx512: return divide_avx512(out, vocab, total);
@@ -198,19 +217,7 @@ torch::Tensor decode_fp16_rows(pybind11::bytes data, int64_t rows, int64_t vocab
   pybind11::gil_scoped_release nogil;
   auto out = torch::empty({rows, vocab}, torch::dtype(torch::kFloat64));
   double* o = out.data_ptr<double>();
-  const auto* h = reinterpret_cast<const uint16_t*>(buffer);
-  std::vector<double> totals(rows);
-  std::vector<float> wide(vocab);
-  bool negative = false;
-  for (int64_t r = 0; r < rows; r++) {
-    double lane[kMassLanes] = {};
-    widen(h + r * vocab, wide.data(), vocab);
-    negative |= widen_row(wide.data(), o + r * vocab, vocab, lane);
-    double total = 0.0;
-    for (int k = 0; k < kMassLanes; k++) total += lane[k];
-    totals[r] = total;
-  }
-  check_totals(totals, negative);
+  const std::vector<double> totals = row_totals(reinterpret_cast<const uint16_t*>(buffer), rows, vocab, o);
   for (int64_t r = 0; r < rows; r++) divide_row(o + r * vocab, vocab, totals[r]);
   return out;
 }
@@ -222,19 +229,7 @@ torch::Tensor fp16_row_sums(torch::Tensor values) {
   const int64_t rows = values.size(0), vocab = values.size(1);
   const auto* h = reinterpret_cast<const uint16_t*>(values.data_ptr<at::Half>());
   pybind11::gil_scoped_release nogil;  // as decode_fp16_rows: on worker threads, beside the event loop
-  std::vector<double> totals(rows);
-  std::vector<float> wide(vocab);
-  bool negative = false;
-  for (int64_t r = 0; r < rows; r++) {
-    double lane[kMassLanes] = {};
-    widen(h + r * vocab, wide.data(), vocab);
-    negative |= sum_row(wide.data(), vocab, lane);
-    double total = 0.0;
-    for (int k = 0; k < kMassLanes; k++) total += lane[k];
-    totals[r] = total;
-  }
-  check_totals(totals, negative);
-  return torch::tensor(totals, torch::dtype(torch::kFloat64));
+  return torch::tensor(row_totals(h, rows, vocab, nullptr), torch::dtype(torch::kFloat64));
 }
 
 std::tuple<pybind11::bytes, std::vector<int64_t>> encode_fp16_rows(torch::Tensor q) {
