@@ -74,12 +74,16 @@ class TargetEngine:
         self.runner = runner
         self.rule = rule  # how sampled drafts are verified (specdec.sampling); greedy is the same
         self.native_verdicts = True  # block verdicts by specdec.native where loaded (off: to measure it)
-        # where the verdicts run on a device, the servicer keeps the draft's rows fp16 until they
-        # are read (specdec/draft_rows.py); on a CPU they are decoded, as the native verdicts read them
-        self.half_rows = runner.device.type != "cpu"
         self.sessions = SessionTable(runner, max_sessions, max_cache_bytes)
         self.forward_passes = 0
         self.fed_tokens = 0
+
+    @property
+    def half_rows(self) -> bool:
+        """Whether the servicer keeps the draft's rows fp16 until they are read
+        (specdec/draft_rows.py): where the verdicts run on a device; on a CPU they are
+        decoded, as the native verdicts read them."""
+        return self.runner.device.type != "cpu"
 
     def _check(self, job: VerifyJob) -> None:
         gamma = len(job.draft_tokens)

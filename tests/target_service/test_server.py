@@ -74,8 +74,12 @@ def test_rows_kept_fp16_read_as_the_decoded_rows(vocab, keep):
     assert isinstance(kept, DraftRows) and kept.values.dtype == torch.float16
     assert all(torch.equal(kept.row(i), decoded[i]) for i in range(4))
     assert server.distributions_from_pb(pb, 0, vocab, half=True) is None
-    pb.dense_fp16 = pb.dense_fp16[:-2] if not keep else pb.dense_fp16
-    pb.row_lengths[:] = [0, 1, 1, 1] if keep else []
-    with pytest.raises(InvalidRequest, match="sparse draft distributions need 4 rows" if keep else "bytes, got"):
+    if keep:
+        pb.row_lengths[:] = [0, 1, 1, 1]
+        refusal = "sparse draft distributions need 4 rows"
+    else:
+        pb.dense_fp16 = pb.dense_fp16[:-2]
+        refusal = "bytes, got"
+    with pytest.raises(InvalidRequest, match=refusal):
         asyncio.run(server.distributions(pb, 4, vocab, half=True))
 
