@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from localstack.leash import leash
 from specdec.model_files import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
 
 
@@ -131,7 +132,8 @@ class LocalStack:
         log = open(self.workdir / f"{name}.log", "ab")
         out = log if self.quiet else None
         return subprocess.Popen(args, cwd=REPO_ROOT, env={**self._env(), **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                preexec_fn=leash())  # ends with this process (localstack/leash.py)
 
     def start_redis(self, port: int = 0) -> None:
         self.redis_port = port or self.redis_port or free_port()

@@ -98,3 +98,54 @@ def test_the_demo_streams_its_prompts_and_reports_the_speedup(bundled_paths):
     assert len(firsts) == len(PROMPTS)
     mean = re.search(r"mean speedup over target-only decoding: ([\d.]+)x", out)
     assert mean and float(mean.group(1)) > 0
+
+
+_ORPHANING_PARENT = """
+import sys, time
+from localstack.stack import LocalStack
+stack = LocalStack()
+stack.start_redis()
+draft = stack.start_replica("draft")
+print(stack.redis_proc.pid, draft.proc.pid, stack.workdir, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whatever init this machine has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the leash is Linux's PR_SET_PDEATHSIG")
+def test_servers_end_with_a_parent_that_was_killed_outright(bundled_paths):
+    """A process that starts a stack and is killed with SIGKILL (no `stop`, no finally)
+    leaves no server running: its Redis and its replica get SIGTERM from the kernel
+    (localstack/leash.py) and exit. Before, they served on for as long as the machine ran."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from specdec.model_files import REPO_ROOT
+
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHANING_PARENT], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        redis_pid, draft_pid, workdir = parent.stdout.readline().split()
+        children = [int(redis_pid), int(draft_pid)]
+        assert all(_running(pid) for pid in children)
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in children if _running(pid)]
+    for pid in left:  # do not leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(Path(workdir), ignore_errors=True)
+    assert not left, f"servers still running after their parent was killed: {left}"
