@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--gaps-ms needs at least one gap of 0 ms or more")
     import torch
 
-    from localstack.leash import leash
+    from localstack.leash import leashed
     from localstack.stack import LocalStack, free_port
     from specdec.model_runner import ModelRunner
     from specdec.models import load_model, pick_device, pick_dtype
@@ -284,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(load_model(args.target, device, pick_dtype("auto", device)))
     stack = LocalStack(target_model=args.target, threads=1)
     port = free_port()
-    echo = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "--serve-echo", str(port)],
-                            preexec_fn=leash())  # ends with this process, as the stack's servers
+    echo = subprocess.Popen(leashed([sys.executable, "-m", "benchmarks.rpc_floor", "--serve-echo", str(port)]))
     try:
         stack.start_redis()
         target = stack.start_replica("target")

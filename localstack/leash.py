@@ -4,47 +4,45 @@ The stack starts each server in a session of its own (so that a Ctrl-C reaches t
 which stops them in order, and not every server at once). Without more, a parent killed
 outright (SIGKILL, a closed terminal's SIGHUP, a crash before `LocalStack.stop`) left its
 Redis, replicas and orchestrators serving on their ports, unseen, for as long as the
-machine ran: five such stacks once sat beside a benchmark here. Linux can send a child a
-signal when its parent dies (prctl PR_SET_PDEATHSIG); a child leashed so gets SIGTERM and
-drains as it would under `LocalStack.stop`.
+machine ran: five such stacks once sat beside a benchmark here. Linux can send a process a
+signal when its parent dies (prctl PR_SET_PDEATHSIG), and the setting outlives exec; a
+server leashed so gets SIGTERM and drains as it would under `LocalStack.stop`.
+
+The tie is made by this file run as a trampoline (`leashed`), which sets it and execs the
+server, not in a `preexec_fn`: that makes `subprocess` fork rather than vfork, and a fork
+runs gRPC's fork handlers, which crashed the child (SIGSEGV) while other threads were in
+gRPC calls (a soak restarting a server under load).
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import threading
-from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
-_SIGTERM = int(signal.SIGTERM)
+_SIGTERM = 15
 
 
-def _find_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+def leashed(args: list[str]) -> list[str]:
+    """`args` (a command line) run so that the process ends when this one does, where such a
+    tie holds: on Linux, started from the main thread (the kernel signals the child when the
+    *thread* that forked it ends, and a pool's worker thread, such as an `asyncio.to_thread`'s,
+    ends long before the process does: a soak starts its fresh servers on the loop's thread
+    and waits for them on a worker). Elsewhere `args` unchanged. The process keeps the pid
+    `Popen` gives: the trampoline execs the command in its place."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return list(args)
+    return [sys.executable, "-S", os.path.abspath(__file__), str(os.getpid()), *args]
 
 
-_PRCTL = _find_prctl()  # looked up here: the forked child must not load or import anything
+def _tie_and_exec(parent: int, args: list[str]) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the tie was made
+        sys.exit(1)
+    os.execvp(args[0], args)
 
 
-def leash() -> Callable[[], None] | None:
-    """A `preexec_fn` that ties the child about to start to this process, or None where no
-    tie would hold: off Linux, and in any thread but the main one (the kernel signals the
-    child when the *thread* that forked it ends, and a pool's worker thread, such as a soak's
-    `asyncio.to_thread`, ends long before the process does)."""
-    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
-        return None
-    parent = os.getpid()
-
-    def tie() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died between the fork and the tie
-            os._exit(1)
-
-    return tie
+if __name__ == "__main__":
+    _tie_and_exec(int(sys.argv[1]), sys.argv[2:])

@@ -587,7 +587,8 @@ async def churn(stack, every: float, sigs: tuple[int, ...], stop: asyncio.Event,
                 front.drain(victim.address)
                 await asyncio.to_thread(victim.proc.wait, 30)
                 stack.orchestrators.remove(victim)
-                fresh = await asyncio.to_thread(stack.start_orchestrator)  # returns once it serves
+                fresh = stack.start_orchestrator(wait=False)  # started here, on the loop's thread: leashed
+                await asyncio.to_thread(stack.wait_serving, fresh)
                 front.serving.append(fresh.address)
                 restarts.append(f"orchestrator@{victim.port} ({signal.Signals(sig).name}, exit {victim.proc.returncode}) → "
                                 f"orchestrator@{fresh.port}")
@@ -595,7 +596,8 @@ async def churn(stack, every: float, sigs: tuple[int, ...], stop: asyncio.Event,
             victim = rng.choice([r for r in stack.replicas if r.kind == kind and r.proc.poll() is None])
             await asyncio.to_thread(stack.kill, victim, sig)
             stack.replicas.remove(victim)
-            fresh = await asyncio.to_thread(stack.start_replica, kind)
+            fresh = stack.start_replica(kind, wait=False)
+            await asyncio.to_thread(stack.wait_serving, fresh)
             while not client.exists(f"{REPLICA_PREFIX}{kind}:{fresh.address}"):
                 await asyncio.sleep(0.1)
             restarts.append(f"{kind}@{victim.port} ({signal.Signals(sig).name}) → {kind}@{fresh.port}")

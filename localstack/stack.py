@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from localstack.leash import leash
+from localstack.leash import leashed
 from specdec.model_files import BUNDLED_DRAFT, BUNDLED_TARGET, REPO_ROOT
 
 
@@ -131,9 +131,9 @@ class LocalStack:
     def _spawn(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
         out = log if self.quiet else None
-        return subprocess.Popen(args, cwd=REPO_ROOT, env={**self._env(), **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                preexec_fn=leash())  # ends with this process (localstack/leash.py)
+        # leashed: it ends with this process (localstack/leash.py)
+        return subprocess.Popen(leashed(args), cwd=REPO_ROOT, env={**self._env(), **(env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
 
     def start_redis(self, port: int = 0) -> None:
         self.redis_port = port or self.redis_port or free_port()
@@ -173,7 +173,7 @@ class LocalStack:
         rep = Replica(kind, port, self._spawn(args, f"{kind}-{port}", env), label, metrics_port)
         self.replicas.append(rep)
         if wait:
-            wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
+            self.wait_serving(rep)
         return rep
 
     def start_orchestrator(self, port: int = 0, wait: bool = True, extra: list[str] = ()) -> Replica:
@@ -183,8 +183,14 @@ class LocalStack:
         rep = Replica("orchestrator", port, self._spawn(args, f"orchestrator-{port}"))
         self.orchestrators.append(rep)
         if wait:
-            wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
+            self.wait_serving(rep)
         return rep
+
+    def wait_serving(self, rep: Replica) -> None:
+        """Until `rep` reports SERVING. Apart from the start, so that a caller on an event
+        loop starts a server from the loop's thread (where `leash` can tie it to this
+        process) and waits for it on a worker thread."""
+        wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
 
     def wait_registered(self, drafts: int, targets: int, timeout: float = 30.0) -> None:
         import redis
@@ -226,7 +232,7 @@ class LocalStack:
         orchestrator needs no replica to start, so starting all of them before waiting loads
         the models and the tokenizer together: 5.5 s for a stack here instead of 8."""
         for rep in self.replicas + self.orchestrators:
-            wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
+            self.wait_serving(rep)
         self.wait_registered(drafts, targets)
 
     def start(self, drafts: int = 1, targets: int = 1, orchestrators: int = 1,

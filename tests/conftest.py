@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from localstack.leash import leash
+from localstack.leash import leashed
 from localstack.stack import free_port, redis_server_binary
 from specdec.models import BUNDLED_DRAFT, BUNDLED_TARGET
 from tests.stacks import started_stack, stopped
@@ -72,7 +72,7 @@ class RedisServer:
                 "--appendonly", "yes", "--save", ""]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, preexec_fn=leash())
+        self.proc = subprocess.Popen(leashed(args), stdout=subprocess.DEVNULL)
         import redis
 
         client = redis.Redis(port=self.port, password=self.password)

@@ -25,7 +25,6 @@ from google.protobuf import json_format
 
 from deploy.loadtest import loadgen
 from deploy.loadtest.reflection import aio_callable, reflect_method
-from localstack.stack import wait_serving
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 TOKEN = "test-token"
@@ -58,7 +57,7 @@ def target(local_stack, secured_spawn) -> str:
 @pytest.fixture(scope="module")
 def secured(local_stack, secured_spawn):
     rep, token_file = secured_spawn
-    wait_serving(rep.address, proc=rep.proc, timeout=local_stack.start_timeout)
+    local_stack.wait_serving(rep)
     return rep, token_file
 
 

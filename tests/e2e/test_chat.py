@@ -12,7 +12,6 @@ import sys
 import grpc
 import pytest
 
-from localstack.stack import wait_serving
 from specdec.models import load_tokenizer
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.chat_tokenizer import chat_tokenizer_dir
@@ -57,7 +56,7 @@ def chat_orchestrator(local_stack, chat_dir):
     dropped from the stack when the module ends."""
     rep = local_stack.start_orchestrator(extra=["--tokenizer", str(chat_dir)])
     try:
-        wait_serving(rep.address, proc=rep.proc, timeout=local_stack.start_timeout)
+        local_stack.wait_serving(rep)
         yield rep.address
     finally:
         local_stack.kill(rep, sig=signal.SIGTERM)

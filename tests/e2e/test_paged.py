@@ -51,12 +51,12 @@ def test_paged_replicas_answer_as_the_target_alone_and_share_a_prompts_blocks(pa
 
 
 def test_a_paged_replica_reports_its_pool_beside_the_bytes_its_caches_hold(paged_stack):
-    from localstack.stack import free_port, scrape_metrics, wait_serving
+    from localstack.stack import free_port, scrape_metrics
 
     port = free_port()
     rep = paged_stack.start_replica("target", wait=False, extra=["--metrics-port", str(port)])
     try:
-        wait_serving(rep.address, timeout=paged_stack.start_timeout, proc=rep.proc)
+        paged_stack.wait_serving(rep)
         deadline = time.monotonic() + 30
         while (metrics := scrape_metrics(port)).get(GAUGE) is None and time.monotonic() < deadline:
             time.sleep(0.2)  # set with the first heartbeat

@@ -52,7 +52,7 @@ def test_a_prompt_sharing_a_long_prefix_feeds_only_the_rest_and_answers_as_alone
 def test_replicas_count_what_they_reuse_and_reuse_nothing_when_told_not_to(stack, tokenizer):
     """Both pools reuse the shared prefix (their Prometheus counters), and with
     --prefix-reuse off every new session feeds its whole prompt."""
-    from localstack.stack import free_port, scrape_metrics, wait_serving
+    from localstack.stack import free_port, scrape_metrics
 
     prompts = [SYSTEM + q for q in ("def median(xs):\n", "class LRU:\n")]
     ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -67,7 +67,7 @@ def test_replicas_count_what_they_reuse_and_reuse_nothing_when_told_not_to(stack
         fresh = [stack.start_replica(kind, wait=False, extra=["--prefix-reuse", reuse, "--metrics-port", str(port)])
                  for kind, port in ports.items()]
         for rep in fresh:
-            wait_serving(rep.address, timeout=stack.start_timeout, proc=rep.proc)
+            stack.wait_serving(rep)
         stack.wait_registered(1, 1)
         answers = [stub.Generate(request(p, 8, 0.0, gamma=4), timeout=120) for p in prompts]
         fed = load_report(answers[1].stats.target_replica, "target").prefill_tokens

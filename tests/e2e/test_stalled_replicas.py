@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from localstack.stack import free_port, scrape_metrics, wait_serving
+from localstack.stack import free_port, scrape_metrics
 from tests.e2e.helpers import Streams, api, live_replicas, request, session_handles
 from tests.stacks import started_stack, stopped
 
@@ -54,7 +54,7 @@ def stack(bundled_paths):
             stack.metrics_ports[name] = free_port()
             stack.start_orchestrator(extra=["--metrics-port", str(stack.metrics_ports[name]), *flags], wait=False)
         for rep in stack.orchestrators:
-            wait_serving(rep.address, timeout=stack.start_timeout, proc=rep.proc)
+            stack.wait_serving(rep)
     except BaseException:
         stopped(stack)
         raise
