@@ -188,7 +188,7 @@ class LocalStack:
 
     def wait_serving(self, rep: Replica) -> None:
         """Until `rep` reports SERVING. Apart from the start, so that a caller on an event
-        loop starts a server from the loop's thread (where `leash` can tie it to this
+        loop starts a server from the loop's thread (where `leashed` can tie it to this
         process) and waits for it on a worker thread."""
         wait_serving(rep.address, proc=rep.proc, timeout=self.start_timeout, credentials=self.health_credentials)
 
