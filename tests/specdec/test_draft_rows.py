@@ -7,7 +7,7 @@ from specdec import sampling
 from specdec.draft_rows import DraftRows, law_at, law_rows
 from specdec.encoding import EncodedDistributions
 from specdec.wire import WireFormatError, decode, decode_half, encode
-from tests.specdec.test_wire import _dense, _rows
+from tests.specdec.test_wire import _dense, _rows, _spoiled
 
 
 @pytest.mark.parametrize("vocab,keep", [(4096, None), (4099, None), (5, None), (4096, 40), (64, 30)])
@@ -43,13 +43,7 @@ def test_mixed_laws_stack_as_their_decoded_rows():
 
 def test_kept_rows_refuse_what_decode_refuses(both_ways, isa):
     rows = _rows(4, 40, None, seed=3)
-    for bad, message in ((float("nan"), "negative or non-finite"), (-0.5, "negative or non-finite"),
-                         (float("inf"), "negative or non-finite"), (None, "no mass")):
-        block = rows.clone()
-        if bad is None:
-            block[3] = 0.0
-        else:
-            block[1, 7] = bad
+    for block, message in _spoiled(rows):
         enc = _dense(block.tolist())
         with pytest.raises(WireFormatError, match=message):
             decode(enc, 4)

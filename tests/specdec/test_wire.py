@@ -65,6 +65,19 @@ def _dense(rows: list[list[float]]) -> EncodedDistributions:
     return EncodedDistributions(vocab_size=a.shape[1], sparse=False, dense_fp16=a.tobytes())
 
 
+def _spoiled(rows: torch.Tensor):
+    """Copies of [γ, V] rows that decode must refuse, each with the refusal's words: a NaN,
+    a negative and an infinite value in row 1, and a last row without mass."""
+    for bad, message in ((float("nan"), "negative or non-finite"), (-0.5, "negative or non-finite"),
+                         (float("inf"), "negative or non-finite"), (None, "no mass")):
+        spoiled = rows.clone()
+        if bad is None:
+            spoiled[-1] = 0.0
+        else:
+            spoiled[1, 1] = bad
+        yield spoiled, message
+
+
 def test_malformed_distributions_are_refused_with_what_is_wrong():
     """NaN, ±inf or a negative value anywhere, or a row without mass, in either form: the
     target must refuse the call rather than verify against a law that is not one."""
@@ -96,13 +109,7 @@ def test_native_dense_decoding_is_the_operators_to_the_bit(both_ways, isa, vocab
     natively, by_operators = both_ways(decode, encode(q16), 6)
     assert not encode(q16).sparse and torch.equal(natively, by_operators)
     assert torch.equal(natively, _normalised(q16))
-    for bad, message in ((float("nan"), "negative or non-finite"), (-0.5, "negative or non-finite"),
-                         (float("inf"), "negative or non-finite"), (None, "no mass")):
-        rows = q16.clone()
-        if bad is None:
-            rows[4] = 0.0
-        else:
-            rows[3, 1] = bad
+    for rows, message in _spoiled(q16):
         natively, by_operators = both_ways(decode, _dense(rows.tolist()), 6)
         assert natively == by_operators and message in natively
 
