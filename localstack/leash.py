@@ -16,11 +16,11 @@ gRPC calls (a soak restarting a server under load).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 
 _PR_SET_PDEATHSIG = 1
-_SIGTERM = 15
 
 
 def leashed(args: list[str]) -> list[str]:
@@ -38,7 +38,7 @@ def leashed(args: list[str]) -> list[str]:
 def _tie_and_exec(parent: int, args: list[str]) -> None:
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGTERM, 0, 0, 0)
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the tie was made
         sys.exit(1)
     os.execvp(args[0], args)
