@@ -7,7 +7,7 @@ import sys
 from deploy import DEPLOYMENTS, NAMESPACE, OVERLAYS, STATEFULSETS, DeployError
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deploy",
         description="Render, validate and apply the Kubernetes manifests of the specdec stack.",
@@ -15,22 +15,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
 
     render = sub.add_parser("render", help="print the rendered manifests of an overlay (no cluster needed)")
-    render.add_argument("--overlay", choices=OVERLAYS, required=True)
+    render.add_argument("--overlay", choices=OVERLAYS, required=True, help="deploy/overlays/<name>")
     render.add_argument("-o", "--output", help="write to this file instead of stdout")
 
     validate = sub.add_parser("validate", help="check an overlay against the OpenAPI schemas and typed models")
-    validate.add_argument("--overlay", choices=(*OVERLAYS, "all"), default="all")
+    validate.add_argument("--overlay", choices=(*OVERLAYS, "all"), default="all",
+                          help="deploy/overlays/<name>, or all of them (default)")
     validate.add_argument("--kubernetes-version", default=None, help="schema version (default: deploy.validate)")
 
     apply = sub.add_parser("apply", help="apply an overlay and wait for the rollouts")
-    apply.add_argument("--overlay", choices=OVERLAYS, required=True)
+    apply.add_argument("--overlay", choices=OVERLAYS, required=True, help="deploy/overlays/<name>")
     apply.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     apply.add_argument("--context", help="kubeconfig context")
     apply.add_argument("--namespace", default=NAMESPACE, help=argparse.SUPPRESS)
     apply.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rollouts (default 900)")
     apply.add_argument("--dry-run", action="store_true", help="server-side dry run; nothing is changed")
     apply.add_argument("--no-wait", action="store_true", help="do not wait for the rollouts")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -98,25 +98,28 @@ def cmd_soak(args) -> int:
         return 0 if passed(report) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m localstack", description=__doc__)
     ap.add_argument("--draft-model", help="draft model directory (default: bundled)")
     ap.add_argument("--target-model", help="target model directory (default: bundled)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="Redis, one draft, one target and the orchestrator in the foreground")
-    run.add_argument("--port", type=int, default=50051)
-    run.add_argument("--draft-port", type=int, default=50061)
-    run.add_argument("--target-port", type=int, default=50071)
-    run.add_argument("--redis-port", type=int, default=6379)
-    run.add_argument("--metrics-port", type=int, default=9100)
-    run.add_argument("--drafts", type=int, default=1)
-    run.add_argument("--targets", type=int, default=1)
+    run.add_argument("--port", type=int, default=50051, help="the orchestrator's public gRPC port (default 50051)")
+    run.add_argument("--draft-port", type=int, default=50061,
+                     help="the draft replica's port (default 50061; with --drafts above 1 each takes a free port)")
+    run.add_argument("--target-port", type=int, default=50071,
+                     help="the target replica's port (default 50071; with --targets above 1 each takes a free port)")
+    run.add_argument("--redis-port", type=int, default=6379, help="the stack's own redis-server (default 6379)")
+    run.add_argument("--metrics-port", type=int, default=9100,
+                     help="the orchestrator's Prometheus port (default 9100; 0: none)")
+    run.add_argument("--drafts", type=int, default=1, help="draft replicas (default 1)")
+    run.add_argument("--targets", type=int, default=1, help="target replicas (default 1)")
     demo = sub.add_parser("demo", help="stream a few completions with stats and the speedup over target-only")
-    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--max-new-tokens", type=int, default=96, help="new tokens a completion asks for (default 96)")
     lt = sub.add_parser("loadtest", help="the Python load generator against a fresh local stack")
-    lt.add_argument("--concurrency", type=int, default=4)
-    lt.add_argument("--duration", type=float, default=20.0)
-    lt.add_argument("--max-new-tokens", type=int, default=32)
+    lt.add_argument("--concurrency", type=int, default=4, help="calls in flight at once (default 4)")
+    lt.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")
+    lt.add_argument("--max-new-tokens", type=int, default=32, help="new tokens a call asks for (default 32)")
     so = sub.add_parser("soak", help="N concurrent clients for M minutes through a mix of requests; errors, "
                         "latency, memory, repeated outputs, sessions left over (exits 1 on any fault)")
     so.add_argument("--streams", type=int, default=8, help="concurrent clients, one request at a time each (default 8)")
@@ -140,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                     "--target-args '' --target-args '--heap-trim-seconds 0' --target-args 'MALLOC_ARENA_MAX=2'")
     for p in (run, demo, lt, so):
         p.add_argument("--verbose", action="store_true", help="show the servers' logs")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return {"run": cmd_run, "demo": cmd_demo, "loadtest": cmd_loadtest, "soak": cmd_soak}[args.cmd](args)
 
 

@@ -11,14 +11,19 @@ from typing import Callable
 import torch
 
 
-def run_cli(ap: argparse.ArgumentParser, train: Callable[[argparse.Namespace], dict],
-            argv: list[str] | None) -> None:
-    """Add the flags every training run has, parse, and train."""
-    ap.add_argument("--seed", type=int, default=0)
+def add_common_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every training run has."""
+    ap.add_argument("--seed", type=int, default=0, help="seeds the data order and initialisation (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                     help="forward precision: bf16 autocast or fp32 (auto: bf16 where the CPU "
                          "has native bf16 arithmetic, fp32 where it would be emulated)")
+    return ap
+
+
+def run_cli(ap: argparse.ArgumentParser, train: Callable[[argparse.Namespace], dict],
+            argv: list[str] | None) -> None:
+    """Parse (`ap` from `add_common_flags`) and train."""
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from training.checkpoints import autocast, run_cli, save_model, update_report
+from training.checkpoints import add_common_flags, autocast, run_cli, save_model, update_report
 from training.train_pair import batches, encode_corpus, heldout_loss, lr_at
 
 ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")  # a layer's writes into the residual stream
@@ -114,18 +114,22 @@ def train(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m training.deepen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="models", help="directory with target/ (default: models)")
     ap.add_argument("--out", default="target", help="where the deepened target goes, under --models")
     ap.add_argument("--layers", type=int, default=24, help="layers of the deepened target (default 24)")
-    ap.add_argument("--steps", type=int, default=700)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50)
-    run_cli(ap, train, argv)
+    ap.add_argument("--steps", type=int, default=700, help="optimizer steps (default 700)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
+    ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay (default 50)")
+    return add_common_flags(ap)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(build_parser(), train, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from training.checkpoints import autocast, run_cli, save_model, update_report
+from training.checkpoints import add_common_flags, autocast, run_cli, save_model, update_report
 from training.train_pair import batches, encode_corpus, lr_at
 
 
@@ -127,22 +127,26 @@ def distill(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m training.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="models", help="directory with target/ and the draft (default: models)")
     ap.add_argument("--init", default="draft", help="draft to start from, under --models (default: draft)")
     ap.add_argument("--out", default="draft", help="where the distilled draft goes, under --models")
     ap.add_argument("--layers", type=int, default=0, help="grow the draft to this many layers (0: keep)")
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=800, help="optimizer steps (default 800)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
+    ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay (default 50)")
     ap.add_argument("--kl-weight", type=float, default=0.1, help="weight of forward KL beside TV")
-    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=200, help="steps between held-out α checks; the best checkpoint is kept (default 200)")
     ap.add_argument("--eval-windows", type=int, default=64, help="held-out 256-token windows for α")
-    run_cli(ap, distill, argv)
+    return add_common_flags(ap)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(build_parser(), distill, argv)
 
 
 if __name__ == "__main__":

@@ -405,7 +405,7 @@ def from_ghz_config(path: str) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deploy.loadtest.loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a ghz JSON config (deploy/loadtest/ghz/); flags given as well override it")
@@ -419,7 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="0 = greedy (default: the server's, 1.0)")
     p.add_argument("--prompt", help='default "The quick brown fox"')
     p.add_argument("--gamma", type=int, help="num_speculative_tokens (default: the server's adaptive policy)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="the requests' sampling seed (default: none, each call its own)")
     p.add_argument("--ignore-eos", action="store_true", default=None,
                    help="go on past the end-of-sequence token: every call generates --max-new-tokens")
     p.add_argument("--insecure", action="store_true", help="plaintext (the default unless --cacert)")
@@ -434,8 +434,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reflection", action="store_true", default=None,
                    help="resolve the method by server reflection, as ghz does")
     p.add_argument("--allow-remote", action="store_true", default=None, help="allow a non-loopback target")
-    p.add_argument("--format", choices=("summary", "json"), default="summary")
-    return p.parse_args(argv)
+    p.add_argument("--format", choices=("summary", "json"), default="summary",
+                   help="a readable summary (default) or one JSON object")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 RUN_LOAD_FLAGS = ("target", "concurrency", "total", "duration", "rps", "stream", "max_new_tokens", "temperature",

@@ -1,6 +1,7 @@
 """The servers' shared flags: log level and format; every CLI flag described."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import logging
@@ -53,12 +54,24 @@ def test_a_server_logs_json_lines_when_asked():
     assert all(e["level"] in ("INFO", "WARNING") for e in entries)
 
 
+def _bare_flags(parser, prefix: str = "") -> list[str]:
+    """The flags of `parser` and of its subcommands whose help says nothing."""
+    bare = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                bare += _bare_flags(sub, f"{prefix}{name} ")
+        elif action.option_strings and not re.sub(r"\[SPECDEC_\w+\]", "", action.help or "").strip():
+            bare.append(prefix + "/".join(action.option_strings))
+    return bare
+
+
 @pytest.mark.parametrize("module", ["orchestrator.server", "orchestrator.client",
-                                    "draft_service.server", "target_service.server"])
+                                    "draft_service.server", "target_service.server",
+                                    "localstack.__main__", "deploy.__main__", "deploy.loadtest.loadgen",
+                                    "training.train_pair", "training.distill", "training.deepen"])
 def test_every_flag_says_what_it_does(module):
     """--help is the reference a user reads first: a flag listed with nothing but its
-    environment variable tells them nothing."""
-    parser = importlib.import_module(module).build_parser()
-    bare = [action.option_strings for action in parser._actions
-            if not re.sub(r"\[SPECDEC_\w+\]", "", action.help or "").strip()]
+    environment variable (or its name) tells them nothing."""
+    bare = _bare_flags(importlib.import_module(module).build_parser())
     assert not bare, f"{module}: flags without a description: {bare}"
