@@ -11,8 +11,11 @@ from typing import Callable
 import torch
 
 
-def add_common_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags every training run has."""
+def add_common_flags(ap: argparse.ArgumentParser, lr: float) -> argparse.ArgumentParser:
+    """The flags every training run has; `lr` is the run's default peak learning rate."""
+    ap.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
+    ap.add_argument("--lr", type=float, default=lr, help=f"AdamW peak learning rate (default {lr:g})")
     ap.add_argument("--seed", type=int, default=0, help="seeds the data order and initialisation (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",

@@ -121,11 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="target", help="where the deepened target goes, under --models")
     ap.add_argument("--layers", type=int, default=24, help="layers of the deepened target (default 24)")
     ap.add_argument("--steps", type=int, default=700, help="optimizer steps (default 700)")
-    ap.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
-    ap.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay (default 50)")
-    return add_common_flags(ap)
+    return add_common_flags(ap, lr=1e-3)
 
 
 def main(argv: list[str] | None = None) -> None:

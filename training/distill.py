@@ -135,14 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="draft", help="where the distilled draft goes, under --models")
     ap.add_argument("--layers", type=int, default=0, help="grow the draft to this many layers (0: keep)")
     ap.add_argument("--steps", type=int, default=800, help="optimizer steps (default 800)")
-    ap.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
-    ap.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay (default 50)")
     ap.add_argument("--kl-weight", type=float, default=0.1, help="weight of forward KL beside TV")
     ap.add_argument("--eval-every", type=int, default=200, help="steps between held-out α checks; the best checkpoint is kept (default 200)")
     ap.add_argument("--eval-windows", type=int, default=64, help="held-out 256-token windows for α")
-    return add_common_flags(ap)
+    return add_common_flags(ap, lr=1e-3)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -146,12 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="models", help="output directory (default: models)")
     ap.add_argument("--steps", type=int, default=1100, help="joint target+draft steps (default 1100)")
     ap.add_argument("--distill-steps", type=int, default=300, help="draft-only steps against the final target (default 300)")
-    ap.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
-    ap.add_argument("--seq", type=int, default=256, help="tokens a sequence (default 256)")
-    ap.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate (default 2e-3)")
     ap.add_argument("--vocab-size", type=int, default=4096, help="the tokenizer's vocabulary (default 4096)")
     ap.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of both models (default 2048)")
-    return add_common_flags(ap)
+    return add_common_flags(ap, lr=2e-3)
 
 
 def main(argv: list[str] | None = None) -> None:
