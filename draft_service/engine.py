@@ -62,6 +62,28 @@ class DraftEngine:
     def propose(self, jobs: list[ProposeJob]) -> list[Proposal | SpecDecError]:
         """One batch of proposals; a bad job gets its error back and the rest go on."""
         t0 = time.perf_counter()
+        results, live, caches = self._admit(jobs)
+        # a new session's cache may hold a copied prefix of its tokens already (SessionTable.acquire)
+        feed = {i: torch.tensor(jobs[i].ref.tokens[caches[i].length - jobs[i].ref.start:], dtype=torch.long)
+                for i in live}
+        drafts = self._draft_natively([jobs[i] for i in live], [ForwardItem(caches[i], feed[i], 1) for i in live])
+        if drafts is None:
+            return self._draft_stepwise(jobs, live, caches, feed, results, t0)
+        self.forward_passes += max(jobs[i].gamma for i in live)
+        self.fed_tokens += sum(len(feed[i]) + jobs[i].gamma - 1 for i in live)
+        ms = (time.perf_counter() - t0) * 1000
+        for i, (tokens, q) in zip(live, zip(*drafts)):
+            ref = jobs[i].ref  # the steps fed the drafted tokens but the last
+            caches[i].write_ids(ref.start, ref.tokens + tokens[:caches[i].length - ref.start - len(ref.tokens)])
+            results[i] = Proposal(tokens=tokens, q=q, cache_length=caches[i].length, compute_ms=ms,
+                                  batch_size=len(live))
+        return results  # type: ignore[return-value]
+
+    def _admit(self, jobs: list[ProposeJob]) -> tuple[list, list[int], dict]:
+        """Validate every job and take its cache: → (results with each refused job's error in
+        its place, the indices of the jobs that go on, their caches by index). Forks copy
+        before any job of the batch writes, so all caches are taken before any forward; then
+        room is made for the batch's growth at once."""
         results: list[Proposal | SpecDecError | None] = [None] * len(jobs)
         busy = {j.ref.session_id for j in jobs}
         last = {j.ref.session_id: i for i, j in enumerate(jobs) if not j.fork}
@@ -79,7 +101,6 @@ class DraftEngine:
                     raise InvalidRequest("runner_ups are for greedy proposals only")
                 shaping.check(job.params, self.runner.vocab_size)
                 self.sessions.validate(job.ref, extra=job.gamma)
-                # forks copy before any job of the batch writes: all acquire first
                 caches[i] = (self.sessions.fork(job.ref, job.gamma) if job.fork
                              else self.sessions.acquire(job.ref, exact=False, busy=busy)[0])
                 live.append(i)
@@ -89,20 +110,13 @@ class DraftEngine:
                 results[i] = exc.with_traceback(None)
         self.sessions.make_room([(caches[i], jobs[i].ref.start + jobs[i].forward_size) for i in live
                                  if not jobs[i].fork], busy)
-        # a new session's cache may hold a copied prefix of its tokens already (SessionTable.acquire)
-        feed = {i: torch.tensor(jobs[i].ref.tokens[caches[i].length - jobs[i].ref.start:], dtype=torch.long)
-                for i in live}
-        drafts = self._draft_natively([jobs[i] for i in live], [ForwardItem(caches[i], feed[i], 1) for i in live])
-        if drafts is not None:
-            self.forward_passes += max(jobs[i].gamma for i in live)
-            self.fed_tokens += sum(len(feed[i]) + jobs[i].gamma - 1 for i in live)
-            ms = (time.perf_counter() - t0) * 1000
-            for i, (tokens, q) in zip(live, zip(*drafts)):
-                ref = jobs[i].ref  # the steps fed the drafted tokens but the last
-                caches[i].write_ids(ref.start, ref.tokens + tokens[:caches[i].length - ref.start - len(ref.tokens)])
-                results[i] = Proposal(tokens=tokens, q=q, cache_length=caches[i].length, compute_ms=ms,
-                                      batch_size=len(live))
-            return results  # type: ignore[return-value]
+        return results, live, caches
+
+    def _draft_stepwise(self, jobs: list[ProposeJob], live: list[int], caches: dict, feed: dict,
+                        results: list, t0: float) -> list[Proposal | SpecDecError]:
+        """The step loop, for what one native call cannot draft (a bonus guess, runner-ups, an
+        early stop, mixed laws, or no native forward): one packed forward a step over the
+        jobs still drafting, each step's draw for the whole batch at once."""
         drafted = {i: ([], []) for i in live}
         seconds = {i: [] for i in live if jobs[i].runner_ups}
         step = 0
