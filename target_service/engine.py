@@ -257,9 +257,7 @@ class TargetEngine:
         p and q (what `sampling.verify` takes) cost 7 ms of a 40 ms batch of 16 sessions
         at γ = 4 here; these gathers, a fraction of that. The values are the same, so are
         the verdicts (tests/target_service/test_engine.py)."""
-        B, V, device = len(jobs), self.runner.vocab_size, logits.device
         gammas = [len(j.draft_tokens) for j in jobs]
-        G = max(gammas)
         starts = [end - g - 1 for end, g in zip(accumulate(g + 1 for g in gammas), gammas)]
         firsts = [j.ref.start + len(j.ref.tokens) for j in jobs]  # position of each first draft token
         params = [j.params for j in jobs for _ in range(len(j.draft_tokens) + 1)]
@@ -269,32 +267,46 @@ class TargetEngine:
                 and all(isinstance(j.q, torch.Tensor) and j.q.is_cpu and j.q.dtype == torch.float64
                         for j, g in zip(jobs, gammas) if g)):
             return self._decide_block_natively(kernels, jobs, probs, gammas, starts, firsts)
-        accepted = torch.zeros(B, dtype=torch.long)
-        chances: list[list[float]] = [[] for _ in jobs]
-        if G > 0:
-            slots = [(b, i) for b, g in enumerate(gammas) for i in range(g)]
-            batch_of = torch.tensor([b for b, _ in slots])
-            step = torch.tensor([i for _, i in slots])
-            tokens = torch.tensor([t for j in jobs for t in j.draft_tokens])
-            p_x = torch.zeros(B, G, dtype=torch.float64)
-            q_x = torch.zeros(B, G, dtype=torch.float64)
-            p_x[batch_of, step] = probs[torch.tensor([starts[b] + i for b, i in slots], device=device),
-                                        tokens.to(device)].double().cpu()
-            q_x[batch_of, step] = torch.cat([law_at(j.q, j.draft_tokens) for j, g in zip(jobs, gammas) if g])
-            u_acc = torch.zeros(B, G, dtype=torch.float64)
-            u_acc[batch_of, step] = sampling.uniforms_at([jobs[b].params.seed for b, _ in slots],
-                                                         [firsts[b] + i for b, i in slots], sampling.STREAM_ACCEPT)
-            if self.rule == "block":
-                accepted, weights = self._block_stops(jobs, gammas, probs, starts, p_x, q_x, u_acc)
-                chances = [w[1:] for w in weights]
-            else:
-                accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
-                px, qx = p_x.tolist(), q_x.tolist()
-                chances = [sampling.token_keep_chances_row(px[b][:g], qx[b][:g]) for b, g in enumerate(gammas)]
+        accepted, weights, chances = self._acceptance(jobs, probs, gammas, starts, firsts)
         stops = accepted.tolist()
+        return list(zip(stops, self._next_tokens(jobs, probs, gammas, starts, firsts, stops, weights), chances))
+
+    def _acceptance(self, jobs: list[VerifyJob], probs: torch.Tensor, gammas: list[int], starts: list[int],
+                    firsts: list[int]) -> tuple[torch.Tensor, list | None, list[list[float]]]:
+        """The acceptance half on the packed rows: p and q at the draft tokens only, [B, γ]
+        → (kept lengths [B], the block rule's weights per session or None, each session's
+        keep chances for the γ policy)."""
+        B, G, device = len(jobs), max(gammas), probs.device
+        if G == 0:
+            return torch.zeros(B, dtype=torch.long), None, [[] for _ in jobs]
+        slots = [(b, i) for b, g in enumerate(gammas) for i in range(g)]
+        batch_of = torch.tensor([b for b, _ in slots])
+        step = torch.tensor([i for _, i in slots])
+        tokens = torch.tensor([t for j in jobs for t in j.draft_tokens])
+        p_x = torch.zeros(B, G, dtype=torch.float64)
+        q_x = torch.zeros(B, G, dtype=torch.float64)
+        p_x[batch_of, step] = probs[torch.tensor([starts[b] + i for b, i in slots], device=device),
+                                    tokens.to(device)].double().cpu()
+        q_x[batch_of, step] = torch.cat([law_at(j.q, j.draft_tokens) for j, g in zip(jobs, gammas) if g])
+        u_acc = torch.zeros(B, G, dtype=torch.float64)
+        u_acc[batch_of, step] = sampling.uniforms_at([jobs[b].params.seed for b, _ in slots],
+                                                     [firsts[b] + i for b, i in slots], sampling.STREAM_ACCEPT)
+        if self.rule == "block":
+            accepted, weights = self._block_stops(jobs, gammas, probs, starts, p_x, q_x, u_acc)
+            return accepted, weights, [w[1:] for w in weights]
+        accepted = sampling.accepted_lengths(p_x, q_x, u_acc, torch.tensor(gammas))
+        px, qx = p_x.tolist(), q_x.tolist()
+        return accepted, None, [sampling.token_keep_chances_row(px[b][:g], qx[b][:g]) for b, g in enumerate(gammas)]
+
+    @staticmethod
+    def _next_tokens(jobs: list[VerifyJob], probs: torch.Tensor, gammas: list[int], starts: list[int],
+                     firsts: list[int], stops: list[int], weights: list | None) -> list[int]:
+        """The recovery half: each session's token at its stopping position. A bonus after a
+        fully accepted draft is drawn by the exponential race (sampling.verify's bonus_noise),
+        which the draft's guess of it shares; the others by inverse CDF from the residual
+        (under the block rule, of p scaled by the kept prefix's weight)."""
+        B, V, device = len(jobs), probs.shape[-1], probs.device
         p_n = probs[torch.tensor([s + n for s, n in zip(starts, stops)], device=device)].double()  # [B, V]
-        # a bonus after a fully accepted draft is drawn by the exponential race (sampling.verify's
-        # bonus_noise), which the draft's guess of it shares; the others by inverse CDF
         full, rest = [], []
         for b, (g, n) in enumerate(zip(gammas, stops)):
             (full if g > 0 and n >= g else rest).append(b)
@@ -311,14 +323,14 @@ class TargetEngine:
             u_n = sampling.uniforms_at([jobs[b].params.seed for b in rest], [firsts[b] + stops[b] for b in rest],
                                        sampling.STREAM_RESAMPLE)
             w_n = None
-            if self.rule == "block" and G > 0:  # the kept prefix's weight scales p (a bonus: 1)
+            if weights is not None:  # the kept prefix's weight scales p (a bonus: 1)
                 w_n = torch.tensor([weights[b][stops[b]] if stops[b] < gammas[b] else 1.0 for b in rest],
                                    dtype=torch.float64)
             draw(rest, lambda rows: sampling.next_tokens(rows, q_n, u_n, w_n))
         if full:
             noise = sampling.bonus_noise([jobs[b].params.seed for b in full], [firsts[b] + stops[b] for b in full], V)
             draw(full, lambda rows: sampling.race_argmax(rows, noise))
-        return list(zip(stops, next_token, chances))
+        return next_token
 
     @staticmethod
     def _decide_block_natively(kernels, jobs: list[VerifyJob], probs: torch.Tensor, gammas: list[int],
