@@ -98,6 +98,19 @@ def cmd_soak(args) -> int:
         return 0 if passed(report) else 1
 
 
+def _count(least: int):
+    """An argparse type: a whole number of replicas, at least `least`."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        return n
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m localstack", description=__doc__)
     ap.add_argument("--draft-model", help="draft model directory (default: bundled)")
@@ -112,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--redis-port", type=int, default=6379, help="the stack's own redis-server (default 6379)")
     run.add_argument("--metrics-port", type=int, default=9100,
                      help="the orchestrator's Prometheus port (default 9100; 0: none)")
-    run.add_argument("--drafts", type=int, default=1, help="draft replicas (default 1)")
-    run.add_argument("--targets", type=int, default=1, help="target replicas (default 1)")
+    run.add_argument("--drafts", type=_count(0), default=1,
+                     help="draft replicas (default 1; 0: target-only rounds and prompt lookup's drafts)")
+    run.add_argument("--targets", type=_count(1), default=1, help="target replicas (default 1)")
     demo = sub.add_parser("demo", help="stream a few completions with stats and the speedup over target-only")
     demo.add_argument("--max-new-tokens", type=int, default=96, help="new tokens a completion asks for (default 96)")
     lt = sub.add_parser("loadtest", help="the Python load generator against a fresh local stack")
