@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "them; '' for the defaults); repeat it for a pool of variants compared side by side under "
                     "the one load, each one's memory and share of the work in the report, e.g. "
                     "--target-args '' --target-args '--heap-trim-seconds 0' --target-args 'MALLOC_ARENA_MAX=2'")
-    for p in (run, demo, lt, so):
+    for p in (demo, lt, so):  # run always shows them
         p.add_argument("--verbose", action="store_true", help="show the servers' logs")
     return ap
 
