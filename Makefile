@@ -7,7 +7,7 @@ PROTOS := protos/specdec/v1/orchestrator.proto protos/specdec/internal/v1/replic
 .PHONY: help setup venv redis kernels proto run demo test test-fast bench bench-bf16 bench-smoke gpu-kit models loadtest soak clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
 setup: venv redis kernels  ## virtualenv with pinned packages, redis-server and the CPU kernels
 
