@@ -145,12 +145,40 @@ class LocalStack:
         self.redis_proc = self._spawn(args, "redis")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.redis_proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start (status {self.redis_proc.returncode}); "
+                                   f"is port {self.redis_port} taken?{self._redis_log()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.redis_port), timeout=0.2):
-                    return
+                    break
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        else:
+            raise RuntimeError(f"redis-server did not start within 10 s{self._redis_log()}")
+        self._check_redis_is_ours()
+
+    def _check_redis_is_ours(self) -> None:
+        """The server answering on the port is the redis-server just started, not one that
+        held the port already (a developer's own Redis on 6379): the stack would otherwise
+        register its replicas and sessions there while its own server exits on the taken
+        port."""
+        import redis
+
+        try:
+            pid = redis.Redis(port=self.redis_port, password=self.redis_password,
+                              socket_timeout=5).info("server")["process_id"]
+        except redis.RedisError as exc:
+            pid, why = None, f" ({exc})"
+        else:
+            why = f" (its process id {pid})"
+        if pid != self.redis_proc.pid:
+            raise RuntimeError(f"port {self.redis_port} is served by another Redis{why}, not the stack's "
+                               f"redis-server: choose a free port (python -m localstack run --redis-port N)")
+
+    def _redis_log(self, lines: int = 5) -> str:
+        path = self.workdir / "redis.log"
+        tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+        return "".join(f"\n  {line}" for line in tail)
 
     def stop_redis(self) -> None:
         if self.redis_proc:

@@ -35,6 +35,31 @@ def test_a_replica_that_cannot_register_is_reported_with_redis_state_and_its_log
     assert "--- draft on" in message and "(running)" in message
 
 
+@pytest.mark.parametrize("password", [None, "theirs"])
+def test_a_redis_port_another_redis_holds_is_refused_not_used(password):
+    """A developer's own Redis on the port (6379 for `make run`): the stack's redis-server
+    exits on the taken port, and the launcher says so instead of registering its replicas
+    and sessions in the other one; that one keeps no key of the stack's."""
+    from tests.conftest import RedisServer
+
+    theirs = RedisServer(password).start()
+    stack = LocalStack()
+    try:
+        with pytest.raises(RuntimeError) as err:
+            stack.start_redis(port=theirs.port)
+        assert stack.redis_proc.wait(10) is not None  # the stack's own server is gone
+        keys = redis.Redis(port=theirs.port, password=password).dbsize()
+    finally:
+        stack.stop()
+        theirs.stop()
+        shutil.rmtree(stack.workdir, ignore_errors=True)
+        shutil.rmtree(theirs.dir, ignore_errors=True)
+    message = str(err.value)
+    assert (f"port {theirs.port} is served by another Redis" in message
+            or "redis-server exited at start" in message), message
+    assert keys == 0
+
+
 def test_run_that_cannot_start_stops_what_it_started(bundled_paths):
     """`python -m localstack run` whose orchestrator cannot bind its port exits with status
     1 and a line saying why, and leaves no Redis or replica behind on their ports."""
