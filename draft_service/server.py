@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.sessions.reuse_prefixes = args.prefix_reuse == "on"
 
     async def run() -> None:
-        host = ReplicaHost(args, engine, engine.propose, SERVICE)
+        host = ReplicaHost(args, engine, engine.propose, SERVICE, prog="draft_service")
         servicer = DraftServicer(host)
         await host.serve(lambda server: replica_pb2_grpc.add_DraftServicer_to_server(servicer, server),
                          {"ProposeMux": MuxMethod(servicer.propose, replica_pb2.ProposeCalls, replica_pb2.ProposeAnswer,

@@ -477,8 +477,9 @@ async def serve(args: argparse.Namespace) -> None:
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
     add_servicer(servicer, shell.server)
-    port = shell.listen(args.host, args.port, creds)
-    metrics.serve_metrics(args.metrics_port)
+    with refusing_to_start("orchestrator"):  # a port taken
+        port = shell.listen(args.host, args.port, creds)
+        metrics.serve_metrics(args.metrics_port)
     log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
     reaper = Reaper(generator, redis, orchestrator_id, args.reap_interval)
     await reaper.start()

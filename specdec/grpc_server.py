@@ -102,11 +102,18 @@ class ServerShell:
         self.stopping = asyncio.Event()
 
     def listen(self, host: str, port: int, credentials=None) -> int:
+        """Bind the gRPC port; → the port bound. Where it cannot be bound (taken by another
+        process, or a host that is not this machine's) an OSError says which, which the
+        servers' start turns into one line (specdec.config.refusing_to_start)."""
         address = f"{host}:{port}"
-        bound = (self.server.add_secure_port(address, credentials) if credentials
-                 else self.server.add_insecure_port(address))
+        try:
+            bound = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
+        except RuntimeError:  # grpcio's "Failed to bind to address ..."
+            bound = 0
         if not bound:
-            raise RuntimeError(f"cannot listen on {address}")
+            raise OSError(f"cannot listen on {address}: the port is taken by another process, or the host "
+                          "is not an address of this machine")
         return bound
 
     async def set_serving(self, serving: bool) -> None:

@@ -146,6 +146,10 @@ def export_governor(read: Callable[[], dict]) -> None:
 
 
 def serve_metrics(port: int) -> None:
-    """Start the /metrics HTTP endpoint (port 0 = off)."""
+    """Start the /metrics HTTP endpoint (port 0 = off). A port taken (by another server's
+    metrics, or a node exporter on 9100) is an OSError naming it."""
     if port:
-        start_http_server(port)
+        try:
+            start_http_server(port)
+        except OSError as exc:
+            raise OSError(f"cannot serve /metrics on port {port}: {exc.strerror or exc}") from None

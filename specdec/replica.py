@@ -48,8 +48,10 @@ def build_runner(args: argparse.Namespace, prog: str = "replica") -> ModelRunner
 
 
 class ReplicaHost:
-    def __init__(self, args: argparse.Namespace, engine, run_batch, service_name: str) -> None:
+    def __init__(self, args: argparse.Namespace, engine, run_batch, service_name: str,
+                 prog: str = "replica") -> None:
         self.args = args
+        self.prog = prog  # what a start-up error names (specdec.config.refusing_to_start)
         self.frame_server: FrameServer | None = None
         self.frame_port = 0  # bound, once serving
         self.engine = engine
@@ -174,10 +176,12 @@ class ReplicaHost:
         answers (specdec.frames), by name."""
         add_servicer(self.shell.server)
         creds = server_credentials(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
-        port = self.shell.listen(self.args.host, self.args.port, creds)
-        metrics.serve_metrics(self.args.metrics_port)
+        with refusing_to_start(self.prog):  # a port taken: gRPC's or the metrics'
+            port = self.shell.listen(self.args.host, self.args.port, creds)
+            metrics.serve_metrics(self.args.metrics_port)
         self.batcher.start()
-        await self._start_frame_link(frame_methods or {})
+        with refusing_to_start(self.prog):  # the frame link's (a fixed --frame-port)
+            await self._start_frame_link(frame_methods or {})
         log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         await self.shell.server.start()
         await self.shell.set_serving(True)

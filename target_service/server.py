@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.sessions.reuse_prefixes = args.prefix_reuse == "on"
 
     async def run() -> None:
-        host = ReplicaHost(args, engine, engine.verify, SERVICE)
+        host = ReplicaHost(args, engine, engine.verify, SERVICE, prog="target_service")
         servicer = TargetServicer(host)
         await host.serve(lambda server: replica_pb2_grpc.add_TargetServicer_to_server(servicer, server),
                          {"VerifyMux": MuxMethod(servicer.verify, replica_pb2.VerifyCalls, replica_pb2.VerifyAnswer,

@@ -92,3 +92,23 @@ def test_paged_attention_sizes_its_pool_from_the_cache_budget():
     assert runner.pool.blocks == 8 * 2**20 // runner.pool.block_bytes
     unbounded = build_runner(parse_args(build_parser(), ["--attention", "paged", "--device", "cpu"]), "draft_service")
     assert unbounded.pool.blocks < runner.pool.blocks  # it grows as caches need
+
+
+@pytest.mark.parametrize("module, flag, words", [
+    ("orchestrator", "--port", "orchestrator: cannot start: cannot listen on "),
+    ("draft_service", "--metrics-port", "draft_service: cannot start: cannot serve /metrics on port {port}"),
+    ("draft_service", "--frame-port", "draft_service: cannot start: [Errno 98] error while attempting to bind"),
+])
+def test_a_port_another_process_holds_is_said_in_one_line(module, flag, words):
+    """Two servers on one port (a second orchestrator on a host, a node exporter on 9100)
+    end the second's start with one line naming the port, not grpcio's or http.server's
+    traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _start(module, "--host", "127.0.0.1", flag, str(port))
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert words.format(port=port) in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
