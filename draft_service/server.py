@@ -7,7 +7,8 @@ import torch
 
 from draft_service.engine import DraftEngine, ProposeJob
 from specdec import event_loop
-from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
+from specdec.config import (add_common_args, add_replica_args, check_start_settings, env, parse_args,
+                            refusing_to_start)
 from specdec.errors import InvalidRequest, value_or_raise
 from specdec.frame_server import MuxMethod
 from specdec.internal.v1 import replica_pb2, replica_pb2_grpc
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
     with refusing_to_start("draft_service"):
         loop = event_loop.resolve(args.event_loop)
+        check_start_settings(args)
     runner = build_runner(args, "draft_service")
     engine = DraftEngine(runner, args.max_sessions, args.max_cache_mb * 2**20)
     engine.sessions.reuse_prefixes = args.prefix_reuse == "on"

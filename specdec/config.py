@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import ssl
 import sys
 from datetime import datetime, timezone
 from contextlib import contextmanager
@@ -21,6 +22,20 @@ def env(name: str, default=None):
     return os.environ.get("SPECDEC_" + name, default)
 
 
+# the servers' numeric flags and their least values: below them a server would start and
+# then misbehave (no batch ever run, every session refused) or fail deep in start-up
+LEAST_VALUES = (
+    ("threads", 0, "a number of threads, 0 (torch's default) or more"),
+    ("max_sessions", 1, "a number of sessions, 1 or more"),
+    ("max_batch", 1, "a number of sessions, 1 or more"),
+    ("max_cache_mb", 0, "a number of MiB, 0 (no limit) or more"),
+    ("batch_wait_ms", 0, "a finite number of milliseconds, 0 (never hold) or more"),
+    ("inline_tokens", 0, "a number of tokens, 0 (always a worker) or more"),
+    ("drain_seconds", 0, "a finite number of seconds, 0 or more"),
+    ("metrics_port", 0, "a port number, 0 (off) or more"),
+)
+
+
 def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """`ap.parse_args`, and a flag with choices whose value came from its SPECDEC_ variable
     checked as argparse checks a command-line value (argparse never checks defaults): a
@@ -32,6 +47,10 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
         if not 0 <= seconds < float("inf"):
             flag = "--" + dest.replace("_", "-")
             ap.error(f"{flag} must be a finite number of seconds, 0 (never) or more, got {seconds}")
+    for dest, least, meaning in LEAST_VALUES:
+        value = getattr(args, dest, None)
+        if value is not None and not least <= value < float("inf"):
+            ap.error(f"--{dest.replace('_', '-')} must be {meaning}, got {value}")
     if getattr(args, "batch_full_tokens", -1) < -1:
         ap.error(f"--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device), "
                  f"got {args.batch_full_tokens}")
@@ -183,6 +202,38 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def check_start_settings(args: argparse.Namespace) -> None:
+    """A Redis URL that redis-py cannot parse, a password file that cannot be read, or TLS
+    files that are not a PEM certificate and key end a replica's start at once: it met them
+    after its model loaded (minutes, for a large one on a GPU). Nothing connects here: Redis
+    may come up later."""
+    from redis.connection import parse_url
+
+    parse_url(args.redis_url)  # a ValueError naming the schemes it takes
+    read_secret(args.redis_password_file)
+    if args.tls_cert_file:
+        check_tls_files(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
+
+
+def check_tls_files(cert_file: str, key_file: str, ca_file: str | None) -> None:
+    """A ValueError naming the file where the certificate and key are not a PEM pair, or the
+    CA file holds no PEM certificate. grpcio takes any bytes as credentials and fails only
+    as the port is bound, as "failed to bind", which reads as a port taken."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise ValueError(f"the TLS certificate {cert_file} and key {key_file} are not a PEM certificate "
+                         f"and its private key ({exc.reason or exc})") from None
+    if ca_file:
+        try:
+            ctx.load_verify_locations(ca_file)
+        except ssl.SSLError as exc:
+            raise ValueError(f"the TLS CA file {ca_file} holds no PEM certificate ({exc.reason or exc})") from None
+
+
 
 
 def redis_client(url: str, password_file: str | None):

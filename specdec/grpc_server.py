@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.config import check_tls_files
 from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, Overloaded, PreconditionFailed,
                             RequestSuperseded, SessionBusy, SessionNotFound, SpecDecError, Unavailable)
 from specdec.task_end import end_other_tasks
@@ -58,6 +59,7 @@ def server_credentials(cert_file: str | None, key_file: str | None, ca_file: str
         return None
     pair = (Path(key_file).read_bytes(), Path(cert_file).read_bytes())
     ca = Path(ca_file).read_bytes() if ca_file else None
+    check_tls_files(cert_file, key_file, ca_file)
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 

@@ -175,8 +175,8 @@ class ReplicaHost:
         """Serve until SIGTERM; `frame_methods`: the multiplexed methods the frame link
         answers (specdec.frames), by name."""
         add_servicer(self.shell.server)
-        creds = server_credentials(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
         with refusing_to_start(self.prog):  # a port taken: gRPC's or the metrics'
+            creds = server_credentials(self.args.tls_cert_file, self.args.tls_key_file, self.args.tls_ca_file)
             port = self.shell.listen(self.args.host, self.args.port, creds)
             metrics.serve_metrics(self.args.metrics_port)
         self.batcher.start()

@@ -5,7 +5,8 @@ import argparse
 import asyncio
 
 from specdec import event_loop, sampling
-from specdec.config import add_common_args, add_replica_args, env, parse_args, refusing_to_start
+from specdec.config import (add_common_args, add_replica_args, check_start_settings, env, parse_args,
+                            refusing_to_start)
 from specdec.draft_rows import Law
 from specdec.errors import InvalidRequest, value_or_raise
 from specdec.frame_server import MuxMethod
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(build_parser(), argv)
     with refusing_to_start("target_service"):
         loop = event_loop.resolve(args.event_loop)
+        check_start_settings(args)
     runner = build_runner(args, "target_service")
     engine = TargetEngine(runner, args.max_sessions, args.max_cache_mb * 2**20, args.verification)
     engine.sessions.reuse_prefixes = args.prefix_reuse == "on"

@@ -1,5 +1,9 @@
 """The draft replica's command line: its quantisation flag and environment variable are
 checked before anything loads."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from draft_service.server import build_parser, main
@@ -112,3 +116,36 @@ def test_a_port_another_process_holds_is_said_in_one_line(module, flag, words):
         done = _start(module, "--host", "127.0.0.1", flag, str(port))
     assert done.returncode == 1, done.stderr[-2000:]
     assert words.format(port=port) in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--threads", "-3"], "--threads must be a number of threads, 0 (torch's default) or more, got -3"),
+    (["--max-batch", "0"], "--max-batch must be a number of sessions, 1 or more, got 0"),
+    (["--max-sessions", "0"], "--max-sessions must be a number of sessions, 1 or more, got 0"),
+    (["--batch-wait-ms", "nan"], "--batch-wait-ms must be a finite number of milliseconds"),
+    (["--drain-seconds", "-1"], "--drain-seconds must be a finite number of seconds, 0 or more, got -1.0"),
+    (["--max-cache-mb", "-5"], "--max-cache-mb must be a number of MiB, 0 (no limit) or more, got -5"),
+])
+def test_a_number_out_of_its_range_is_a_usage_error(capsys, argv, words):
+    """Before, a negative thread count was torch's traceback after the model loaded, and a
+    batch of at most 0 sessions a server that never ran one."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--redis-url", "localhost:6379"], "draft_service: cannot start: Redis URL must specify one of the following"),
+    (["--redis-password-file", "/no/such/password"], "draft_service: cannot start: [Errno 2] No such file"),
+    (["--tls-cert-file", __file__, "--tls-key-file", __file__],
+     "draft_service: cannot start: the TLS certificate {file} and key {file} are not a PEM certificate"),
+])
+def test_redis_and_tls_settings_are_checked_before_the_model_loads(flags, words):
+    """A Redis URL or password file, or TLS files, that cannot serve end the start in one
+    line, before the model loads (minutes for a large one; the log shows no load)."""
+    done = subprocess.run([sys.executable, "-m", "draft_service", "--port", "0", *flags],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert words.format(file=__file__) in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "loaded " not in done.stderr  # refused before the model was read
