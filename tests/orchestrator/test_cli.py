@@ -22,6 +22,13 @@ from orchestrator.server import main
     (["--reap-interval", "-1"], "--reap-interval must be a finite number of seconds, 0 (off) or more, got -1.0"),
     (["--prompt-lookup", "sampled"], "argument --prompt-lookup: invalid choice: 'sampled'"),
     (["--access-log", "yes"], "argument --access-log: invalid choice: 'yes'"),
+    (["--overlap-min-hit", "nan"], "--overlap-min-hit must be a finite chance, 0 or more (above 1: never), got nan"),
+    (["--load-governor-margin", "2"], "--load-governor-margin must lie in [0, 1), got 2.0"),
+    (["--max-context", "-1"], "--max-context must be 0 or more, got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be 1 or more, got 0"),
+    (["--max-concurrent", "0"], "--max-concurrent must be 1 or more, got 0"),
+    (["--metrics-port", "-1"], "--metrics-port must be a port number, 0 (off) or more, got -1"),
+    (["--drain-seconds", "nan"], "--drain-seconds must be a finite number of seconds, 0 or more, got nan"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
     with pytest.raises(SystemExit) as exit_:
