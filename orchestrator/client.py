@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--top-logprobs must lie in 0..20, got {args.top_logprobs}")
     if args.retries < 0:
         ap.error(f"--retries must be 0 or more, got {args.retries}")
+    if not 0 < args.timeout < float("inf"):
+        ap.error(f"--timeout must be a finite number of seconds above 0, got {args.timeout}")
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
     if args.retries and not args.request_id:

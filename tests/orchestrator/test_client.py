@@ -137,6 +137,8 @@ def test_a_failed_call_is_one_line_with_its_status(local_stack, args, words):
     (["x", "--end-session", "abc"], "--end-session takes no prompt"),
     (["--message", "no role here"], "expected ROLE:TEXT (say user:Hello), got 'no role here'"),
     (["x", "--message", "user:hi"], "--message takes no prompt, --end-session or --session-id"),
+    (["x", "--timeout", "-1"], "--timeout must be a finite number of seconds above 0, got -1.0"),
+    (["x", "--retries", "-2"], "--retries must be 0 or more, got -2"),
 ])
 def test_a_usage_error_says_what_is_missing(args, words):
     done = client(*args)
