@@ -325,6 +325,11 @@ async def run_load_async(
     """Send the planned calls to `target`, print the ghz-style summary, and return it (see summarize)."""
     if not allow_remote:
         check_loopback(target)
+    if connections < 1:
+        raise ValueError("connections must be >= 1")
+    if not 0 < timeout < float("inf"):
+        # ghz reads 0 as no deadline; here a call without one could hold the run for ever
+        raise ValueError("timeout must be a finite duration above 0, such as 60s")
     plan = Plan.bounded(total, duration, concurrency, rps)
     call = "specdec.v1.Orchestrator/" + ("GenerateStream" if stream else "Generate")
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -339,7 +344,7 @@ async def run_load_async(
     request = json_format.ParseDict(data, request_class())
 
     channels = [grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
-                for _ in range(max(1, connections))]
+                for _ in range(connections)]
     try:
         callers = [Caller(make_rpc(ch), request, stream, metadata, timeout) for ch in channels]
         # Hard stop: the planned window plus one call timeout for the calls in flight.

@@ -194,6 +194,17 @@ def test_every_run_is_bounded():
     assert plan.total == loadgen.DEFAULT_TOTAL and plan.duration_s == loadgen.MAX_DURATION_S
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--connections", "0"], "connections must be >= 1"),
+    (["-t", "0s"], "timeout must be a finite duration above 0"),
+])
+def test_a_run_without_a_connection_or_a_deadline_is_refused(flags, words, capsys):
+    """ghz reads a timeout of 0 as none; here every call would fail at once (or, read as
+    none, could hold the run for ever), and 0 connections sent everything down one."""
+    assert loadgen.main(["-n", "1", *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 def test_cli_prints_a_ghz_like_summary(target, capsys):
     assert loadgen.main(["--target", target, "-c", "2", "-n", "4", "--max-new-tokens", "4",
