@@ -22,17 +22,21 @@ def env(name: str, default=None):
     return os.environ.get("SPECDEC_" + name, default)
 
 
-# the servers' numeric flags and their least values: below them a server would start and
-# then misbehave (no batch ever run, every session refused) or fail deep in start-up
-LEAST_VALUES = (
-    ("threads", 0, "a number of threads, 0 (torch's default) or more"),
-    ("max_sessions", 1, "a number of sessions, 1 or more"),
-    ("max_batch", 1, "a number of sessions, 1 or more"),
-    ("max_cache_mb", 0, "a number of MiB, 0 (no limit) or more"),
-    ("batch_wait_ms", 0, "a finite number of milliseconds, 0 (never hold) or more"),
-    ("inline_tokens", 0, "a number of tokens, 0 (always a worker) or more"),
-    ("drain_seconds", 0, "a finite number of seconds, 0 or more"),
-    ("metrics_port", 0, "a port number, 0 (off) or more"),
+# the servers' numeric flags and their ranges [low, high): outside them a server would
+# start and then misbehave (no batch ever run, every session refused) or fail deep in
+# start-up with a traceback
+INF = float("inf")
+RANGES = (
+    ("threads", 0, INF, "a number of threads, 0 (torch's default) or more"),
+    ("max_sessions", 1, INF, "a number of sessions, 1 or more"),
+    ("max_batch", 1, INF, "a number of sessions, 1 or more"),
+    ("max_cache_mb", 0, INF, "a number of MiB, 0 (no limit) or more"),
+    ("batch_wait_ms", 0, INF, "a finite number of milliseconds, 0 (never hold) or more"),
+    ("inline_tokens", 0, INF, "a number of tokens, 0 (always a worker) or more"),
+    ("drain_seconds", 0, INF, "a finite number of seconds, 0 or more"),
+    ("port", 0, 65536, "a port number, 0 (a free one) to 65535"),
+    ("metrics_port", 0, 65536, "a port number, 0 (off) to 65535"),
+    ("frame_port", -1, 65536, "a port number, 0 (a free one) to 65535, or -1 (none)"),
 )
 
 
@@ -47,9 +51,9 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
         if not 0 <= seconds < float("inf"):
             flag = "--" + dest.replace("_", "-")
             ap.error(f"{flag} must be a finite number of seconds, 0 (never) or more, got {seconds}")
-    for dest, least, meaning in LEAST_VALUES:
+    for dest, low, high, meaning in RANGES:
         value = getattr(args, dest, None)
-        if value is not None and not least <= value < float("inf"):
+        if value is not None and not low <= value < high:
             ap.error(f"--{dest.replace('_', '-')} must be {meaning}, got {value}")
     if getattr(args, "batch_full_tokens", -1) < -1:
         ap.error(f"--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device), "
@@ -232,8 +236,6 @@ def check_tls_files(cert_file: str, key_file: str, ca_file: str | None) -> None:
             ctx.load_verify_locations(ca_file)
         except ssl.SSLError as exc:
             raise ValueError(f"the TLS CA file {ca_file} holds no PEM certificate ({exc.reason or exc})") from None
-
-
 
 
 def redis_client(url: str, password_file: str | None):

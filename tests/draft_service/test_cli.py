@@ -125,6 +125,8 @@ def test_a_port_another_process_holds_is_said_in_one_line(module, flag, words):
     (["--batch-wait-ms", "nan"], "--batch-wait-ms must be a finite number of milliseconds"),
     (["--drain-seconds", "-1"], "--drain-seconds must be a finite number of seconds, 0 or more, got -1.0"),
     (["--max-cache-mb", "-5"], "--max-cache-mb must be a number of MiB, 0 (no limit) or more, got -5"),
+    (["--port", "70000"], "--port must be a port number, 0 (a free one) to 65535, got 70000"),
+    (["--frame-port", "-2"], "--frame-port must be a port number, 0 (a free one) to 65535, or -1 (none), got -2"),
 ])
 def test_a_number_out_of_its_range_is_a_usage_error(capsys, argv, words):
     """Before, a negative thread count was torch's traceback after the model loaded, and a
