@@ -27,7 +27,7 @@ from orchestrator.server import main
     (["--max-context", "-1"], "--max-context must be 0 or more, got -1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be 1 or more, got 0"),
     (["--max-concurrent", "0"], "--max-concurrent must be 1 or more, got 0"),
-    (["--metrics-port", "-1"], "--metrics-port must be a port number, 0 (off) or more, got -1"),
+    (["--metrics-port", "-1"], "--metrics-port must be a port number, 0 (off) to 65535, got -1"),
     (["--drain-seconds", "nan"], "--drain-seconds must be a finite number of seconds, 0 or more, got nan"),
 ])
 def test_out_of_range_flags_are_refused_with_a_message(flags, words, capsys):
