@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt = sys.stdin.read()
     if args.retries and not args.request_id:
         args.request_id = uuid.uuid4().hex
-    creds = channel_credentials(args.ca_file)
+    try:
+        creds = channel_credentials(args.ca_file)
+    except (ValueError, OSError) as exc:  # no such file, or no PEM certificate in it
+        ap.error(f"--ca-file: {exc}")
     channel = grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)
     stub = pb_grpc.OrchestratorStub(channel)
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else None

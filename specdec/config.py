@@ -221,13 +221,18 @@ def check_start_settings(args: argparse.Namespace) -> None:
         check_tls_files(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
 
 
-def check_tls_files(cert_file: str, key_file: str, ca_file: str | None) -> None:
+def check_tls_files(cert_file: str | None, key_file: str | None, ca_file: str | None) -> None:
     """A ValueError naming the file where the certificate and key are not a PEM pair, or the
-    CA file holds no PEM certificate. grpcio takes any bytes as credentials and fails only
-    as the port is bound, as "failed to bind", which reads as a port taken."""
+    CA file holds no PEM certificate (a server's or a client's). grpcio takes any bytes as
+    credentials and fails only as a server's port is bound ("failed to bind", which reads as
+    a port taken) or as a channel's first call shakes hands."""
+    for path in (cert_file, key_file, ca_file):
+        if path:
+            open(path, "rb").close()  # an OSError that names the file (ssl's name none)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(cert_file, key_file)
+        if cert_file:
+            ctx.load_cert_chain(cert_file, key_file)
     except ssl.SSLError as exc:
         raise ValueError(f"the TLS certificate {cert_file} and key {key_file} are not a PEM certificate "
                          f"and its private key ({exc.reason or exc})") from None

@@ -66,6 +66,7 @@ def server_credentials(cert_file: str | None, key_file: str | None, ca_file: str
 def channel_credentials(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None):
     if not ca_file:
         return None
+    check_tls_files(cert_file, key_file, ca_file)
     return grpc.ssl_channel_credentials(
         root_certificates=Path(ca_file).read_bytes(),
         private_key=Path(key_file).read_bytes() if key_file else None,

@@ -51,6 +51,9 @@ def test_a_setting_from_the_environment_is_checked_like_its_flag(monkeypatch, ca
 @pytest.mark.parametrize("flags, words", [
     (["--tokenizer", "./no/such/tokenizer"], "orchestrator: cannot start: no tokenizer directory at './no/such/tokenizer'"),
     (["--api-token-file", "/no/such/token"], "orchestrator: cannot start: [Errno 2] No such file or directory"),
+    (["--pool-ca-file", __file__], f"orchestrator: cannot start: the TLS CA file {__file__} holds no PEM certificate"),
+    (["--pool-ca-file", __file__, "--internal-calls", "mux"],
+     f"orchestrator: cannot start: the TLS CA file {__file__} holds no PEM certificate"),
 ])
 def test_an_orchestrator_that_cannot_start_says_why_in_one_line(flags, words):
     from tests.draft_service.test_cli import _start

@@ -139,6 +139,8 @@ def test_a_failed_call_is_one_line_with_its_status(local_stack, args, words):
     (["x", "--message", "user:hi"], "--message takes no prompt, --end-session or --session-id"),
     (["x", "--timeout", "-1"], "--timeout must be a finite number of seconds above 0, got -1.0"),
     (["x", "--retries", "-2"], "--retries must be 0 or more, got -2"),
+    (["x", "--ca-file", __file__], f"--ca-file: the TLS CA file {__file__} holds no PEM certificate"),
+    (["x", "--ca-file", "/no/such/ca.pem"], "--ca-file: [Errno 2] No such file or directory: '/no/such/ca.pem'"),
 ])
 def test_a_usage_error_says_what_is_missing(args, words):
     done = client(*args)
