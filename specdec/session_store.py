@@ -291,17 +291,24 @@ class SessionStore:
         await self.create(handle, ttl)
 
     async def delete(self, session_id: str, answer_starts: list[int] = ()) -> bool:
-        """Delete the handle, its lock, and the log-probabilities stored for its requests."""
+        """Delete the handle, its lock, and the log-probabilities stored for its requests.
+        Retried like a commit: a call that ended as Redis restarted left its handle until
+        the TTL, minutes later (the e2e Redis restart found one). Every write here is
+        absolute, so it may run twice."""
         scores = [key for start in answer_starts for key in self.scores_keys(session_id, start)]
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)
-                pipe.hdel(EPHEMERAL, session_id)
-                pipe.zrem(PARKED, session_id)
-                deleted, _, _ = await pipe.execute()
-            return bool(deleted)
-        except RedisError as exc:
-            raise Unavailable(f"Redis is unavailable: {exc}") from exc
+        window = RetryWindow(self.commit_retry_seconds)
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)
+                    pipe.hdel(EPHEMERAL, session_id)
+                    pipe.zrem(PARKED, session_id)
+                    deleted, _, _ = await pipe.execute()
+                return bool(deleted)
+            except RedisError as exc:
+                if window.spent():
+                    raise Unavailable(f"Redis is unavailable: {exc}") from exc
+                await window.wait()
 
     async def try_lock(self, session_id: str, owner: str) -> bool:
         """One generation at a time per session: a second concurrent call is refused. The

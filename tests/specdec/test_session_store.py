@@ -186,6 +186,27 @@ def test_a_lock_is_released_by_its_owner_only_and_across_a_redis_blip(redis_serv
     asyncio.run(go())
 
 
+def test_a_handle_is_deleted_across_a_redis_blip(redis_server):
+    """delete retries while Redis is away: an ephemeral session whose call ended as Redis
+    restarted left its handle in Redis until the TTL (the e2e Redis restart found one)."""
+    async def go():
+        client, store, _ = await _new_session(redis_server.url)
+        redis_server.stop()
+
+        async def back_in(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+            redis_server.start()  # same port and directory: the append-only file keeps the handle
+
+        restart = asyncio.create_task(back_in(0.5))
+        assert await store.delete("s1")  # issued while Redis is down
+        await restart
+        with pytest.raises(SessionNotFound):
+            await store.load("s1")
+        await client.aclose()
+
+    asyncio.run(go())
+
+
 def _commit_one(store: SessionStore, handle: SessionHandle, token: int):
     handle.committed.append(token)
     handle.cursor = Cursor(handle.length - 1, handle.length - 1, False)
