@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -230,15 +231,8 @@ class SessionStore:
         so that a retry finds them wherever it finds any of its answer: the retry does not
         feed its prompt again. They live as the handle's others do. Retried like a commit,
         for the commit it goes before."""
-        window = RetryWindow(self.commit_retry_seconds)
-        while True:
-            try:
-                await self.redis.set(self.scores_key(session_id, answer_start, prompt=True), data, ex=self.ttl)
-                return
-            except RedisError as exc:
-                if window.spent():
-                    raise Unavailable(f"Redis is unavailable: {exc}") from exc
-                await window.wait()
+        key = self.scores_key(session_id, answer_start, prompt=True)
+        await self._retrying(lambda: self.redis.set(key, data, ex=self.ttl))
 
     def round_commit(self, handle: SessionHandle, new_tokens: list[int],
                      scores: AnswerScores | None = None) -> RoundCommit:
@@ -274,13 +268,13 @@ class SessionStore:
                               "the tokens streamed so far are committed")
         return reply == COMMITTED
 
-    async def _retrying(self, script, keys: list[str], args: list):
-        """The script's answer, retried with backoff while Redis is unreachable, for up to
-        commit_retry_seconds (then Unavailable): every script here may run twice."""
+    async def _retrying(self, call: Callable[[], Awaitable]):
+        """`call()`'s answer, called again with backoff while Redis is unreachable, for up to
+        commit_retry_seconds (then Unavailable): every write retried so may run twice."""
         window = RetryWindow(self.commit_retry_seconds)
         while True:
             try:
-                return await script(keys=keys, args=args)
+                return await call()
             except RedisError as exc:
                 if window.spent():
                     raise Unavailable(f"Redis is unavailable: {exc}") from exc
@@ -296,19 +290,16 @@ class SessionStore:
         the TTL, minutes later (the e2e Redis restart found one). Every write here is
         absolute, so it may run twice."""
         scores = [key for start in answer_starts for key in self.scores_keys(session_id, start)]
-        window = RetryWindow(self.commit_retry_seconds)
-        while True:
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)
-                    pipe.hdel(EPHEMERAL, session_id)
-                    pipe.zrem(PARKED, session_id)
-                    deleted, _, _ = await pipe.execute()
-                return bool(deleted)
-            except RedisError as exc:
-                if window.spent():
-                    raise Unavailable(f"Redis is unavailable: {exc}") from exc
-                await window.wait()
+
+        async def once() -> bool:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(*self._keys(session_id), self._lock_key(session_id), *scores)
+                pipe.hdel(EPHEMERAL, session_id)
+                pipe.zrem(PARKED, session_id)
+                deleted, _, _ = await pipe.execute()
+            return bool(deleted)
+
+        return await self._retrying(once)
 
     async def try_lock(self, session_id: str, owner: str) -> bool:
         """One generation at a time per session: a second concurrent call is refused. The
@@ -350,7 +341,7 @@ class SessionStore:
         (RESOURCE_EXHAUSTED) until it expired, minutes later. Where Redis stays away past
         the retries it expires by itself."""
         try:
-            await self._retrying(self._unlock_script, [self._lock_key(session_id)], [owner])
+            await self._retrying(lambda: self._unlock_script(keys=[self._lock_key(session_id)], args=[owner]))
         except Unavailable:
             pass
 
