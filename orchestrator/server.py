@@ -535,13 +535,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--session-ttl must be at least 1 second, got {args.session_ttl}")
     if not 0 <= args.overlap_min_use <= 1:
         ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
-    if not 0 <= args.overlap_min_hit < math.inf:
-        ap.error(f"--overlap-min-hit must be a finite chance, 0 or more (above 1: never), got {args.overlap_min_hit}")
     if not 0 <= args.load_governor_margin < 1:
         ap.error(f"--load-governor-margin must lie in [0, 1), got {args.load_governor_margin}")
-    for flag, least in (("max_context", 0), ("max_new_tokens", 1), ("max_concurrent", 1)):
-        if getattr(args, flag) < least:
-            ap.error(f"--{flag.replace('_', '-')} must be {least} or more, got {getattr(args, flag)}")
     with refusing_to_start("orchestrator"):
         loop = event_loop.resolve(args.event_loop)
     event_loop.run(serve(args), loop)

@@ -23,10 +23,12 @@ def env(name: str, default=None):
 
 
 # the servers' numeric flags and their ranges [low, high): outside them a server would
-# start and then misbehave (no batch ever run, every session refused) or fail deep in
-# start-up with a traceback
+# start and then misbehave (no batch ever run, every call refused) or fail deep in
+# start-up with a traceback. A flag a server lacks is skipped.
 INF = float("inf")
 RANGES = (
+    ("session_idle_seconds", 0, INF, "a finite number of seconds, 0 (never) or more"),
+    ("heap_trim_seconds", 0, INF, "a finite number of seconds, 0 (never) or more"),
     ("threads", 0, INF, "a number of threads, 0 (torch's default) or more"),
     ("max_sessions", 1, INF, "a number of sessions, 1 or more"),
     ("max_batch", 1, INF, "a number of sessions, 1 or more"),
@@ -37,6 +39,11 @@ RANGES = (
     ("port", 0, 65536, "a port number, 0 (a free one) to 65535"),
     ("metrics_port", 0, 65536, "a port number, 0 (off) to 65535"),
     ("frame_port", -1, 65536, "a port number, 0 (a free one) to 65535, or -1 (none)"),
+    ("batch_full_tokens", -1, INF, "a number of tokens, 0 (no limit) or -1 (by device)"),
+    ("max_context", 0, INF, "0 or more"),  # the orchestrator's
+    ("max_new_tokens", 1, INF, "1 or more"),
+    ("max_concurrent", 1, INF, "1 or more"),
+    ("overlap_min_hit", 0, INF, "a finite chance, 0 or more (above 1: never)"),
 )
 
 
@@ -46,18 +53,10 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> ar
     mistyped setting in a manifest is a usage error naming the variable, not a traceback
     from deep in start-up."""
     args = ap.parse_args(argv)
-    for dest in ("session_idle_seconds", "heap_trim_seconds"):  # intervals: 0 turns them off
-        seconds = getattr(args, dest, 0)
-        if not 0 <= seconds < float("inf"):
-            flag = "--" + dest.replace("_", "-")
-            ap.error(f"{flag} must be a finite number of seconds, 0 (never) or more, got {seconds}")
     for dest, low, high, meaning in RANGES:
         value = getattr(args, dest, None)
         if value is not None and not low <= value < high:
             ap.error(f"--{dest.replace('_', '-')} must be {meaning}, got {value}")
-    if getattr(args, "batch_full_tokens", -1) < -1:
-        ap.error(f"--batch-full-tokens must be a number of tokens, 0 (no limit) or -1 (by device), "
-                 f"got {args.batch_full_tokens}")
     for action in ap._actions:  # argparse keeps no public list of a parser's flags
         value = getattr(args, action.dest, None)
         if action.choices is None or value is None or value in action.choices or value != action.default:
