@@ -176,9 +176,8 @@ class LocalStack:
                                f"redis-server: choose a free port (python -m localstack run --redis-port N)")
 
     def _redis_log(self, lines: int = 5) -> str:
-        path = self.workdir / "redis.log"
-        tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
-        return "".join(f"\n  {line}" for line in tail)
+        """The end of the stack's redis-server log, indented under an error's line."""
+        return "".join(f"\n  {line}" for line in _tail(self.workdir / "redis.log", lines))
 
     def stop_redis(self) -> None:
         if self.redis_proc:
@@ -314,11 +313,15 @@ class LocalStack:
 
     def log_tail(self, rep: Replica, lines: int) -> list[str]:
         """The last lines of a server's log; none where it has no log."""
-        path = self.log_path(rep)
-        return path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+        return _tail(self.log_path(rep), lines)
 
     def __enter__(self) -> "LocalStack":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines of a log file; none where there is no such file."""
+    return path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
