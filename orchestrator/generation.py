@@ -27,8 +27,8 @@ from orchestrator import ngram, request_ids, round_book
 from orchestrator.draft_waits import DraftWaits
 from orchestrator.gamma_policy import CostModel, SessionPolicy
 from orchestrator.governor import LoadGovernor
-from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, Opened, Outcome, PromptScores, Proposal,
-                                     Round, Stats)
+from orchestrator.loop_state import (Call, Emit, Generation, GenerationRequest, InFlight, Opened, Outcome, PromptScores,
+                                     Proposal, Round, Stats)
 from orchestrator.pools import CACHE_LOST, REPLICA_DOWN, PoolClients, prefix_affinity
 from orchestrator.predraft import OVERLAP_FORKS, OVERLAP_MIN_HIT, OVERLAP_MIN_USE, Ahead, PreDrafter
 from orchestrator.round_stream import SessionLinks
@@ -404,6 +404,46 @@ class Generator:
     async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
         t_start = time.perf_counter()
         owner = uuid.uuid4().hex  # this call, as the holder of its session's lease
+        req, opened, gen = await self._start(req, owner, deadline, t_start)
+        handle = opened.handle
+        flight = InFlight(list(opened.resumed))
+        ok = False  # the answer is whole: a request id's session not kept is released
+        metrics.ACTIVE_SESSIONS.inc()
+        self.active += 1
+        try:
+            finish = await self._replay(gen, req, opened, emit)
+            flight.reason, done = finish or flight.reason, finish is not None
+            while not done and len(flight.generated) < req.max_new_tokens:
+                done = await self._round(gen, req, flight, len(opened.resumed), emit)
+            await flight.land()
+            tail = gen.text.flush()
+            if tail:
+                await emit(tail, [], [] if gen.logprobs else None)
+            ok = True
+        finally:
+            gen.closed = True
+            if flight.release is not None:
+                flight.release.set()
+            metrics.ACTIVE_SESSIONS.dec()
+            self.active -= 1
+            # shielded: a second cancellation (the server's deadline firing while the loop
+            # winds down) must not cut the release of the caches short
+            closing = asyncio.ensure_future(self._close(handle, req, owner, flight.pending, gen.links, gen.late,
+                                                        ok))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            await asyncio.shield(closing)
+        metrics.TOKENS.inc(len(flight.generated) - len(opened.resumed))
+        prompt = None if gen.prompt_scores is None else gen.prompt_scores.result(handle.committed,
+                                                                                  handle.target_replica)
+        return Outcome(handle.session_id, flight.generated, flight.reason, gen.stats, gen.prompt_len,
+                       req.params.seed, handle.draft_replica, handle.target_replica,
+                       (time.perf_counter() - t_start) * 1000, prompt)
+
+    async def _start(self, req: GenerationRequest, owner: str, deadline: float | None,
+                     t_start: float) -> tuple[GenerationRequest, Opened, Generation]:
+        """→ (the request, its session, the loop's state): a retry of a request id takes its
+        first attempt's seed, prompt scores and γ policy, so that it answers as that one would."""
         opened = await self._open(req, owner)
         handle = opened.handle
         if opened.retry and not opened.older:  # the first attempt's seed, drawn where the client gave none
@@ -419,85 +459,57 @@ class Generator:
         # not where a retry goes on from its first attempt's tokens: that attempt's first round
         # was its prefill, and a seeded sampled answer must reproduce round by round
         gen.prefill_round = self.first_round == "target" and gen.policy.fixed is None and not opened.resumed
-        generated, reason, done = list(opened.resumed), "length", False
-        ok = False  # the answer is whole: a request id's session not kept is released
-        pre = None  # (tokens, distributions, γ) drafted while the previous round was verified
-        pending: asyncio.Future | None = None  # the previous round's commit, then its emit
-        release: asyncio.Event | None = None  # lets that commit go (_finish_round)
-        metrics.ACTIVE_SESSIONS.inc()
-        self.active += 1
-        try:
-            finish = await self._replay(gen, req, opened, emit)
-            reason, done = finish or reason, finish is not None
-            while not done and len(generated) < req.max_new_tokens:
-                t_round, calls_before = time.perf_counter(), gen.stats.draft_ms + gen.stats.verify_ms
-                active = self.active
-                if gen.governed:
-                    mode = self.governor.speculating(gen.policy.greedy, active)
-                    gen.rounds_in_mode = gen.rounds_in_mode + 1 if mode == gen.speculating else 1
-                    gen.speculating = mode
-                m = len(handle.committed)
-                if m >= self.max_len:
-                    reason = "context"
-                    break
-                await self._probe_draft_pool(gen)
-                remaining = req.max_new_tokens - len(generated)
-                if pre is not None:
-                    draft_tokens, dists, gamma, gen.runner_ups, gen.line = pre
-                    gen.looked_up = False
-                else:
-                    draft_tokens, dists, gamma = await self._draft(gen, remaining, m)
-                ahead = self.predraft.start(gen, draft_tokens, gamma, remaining, m)
-                plain = pre is None and ahead is None and bool(generated)  # own calls only, past the prefill
-                if release is not None:
-                    release.set()  # the previous round's commit follows this verification out
-                verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
-                # a first round's token streams before its pre-draft is waited for (below):
-                # the draft's prefill of the prompt may outlast the target's
-                early = ahead is not None and not gen.prefill_round
-                pre = await self.predraft.take(gen, ahead, verdict, gamma) if early else None
-                new, out_text, reason = self._apply(gen, m, gamma, draft_tokens, verdict)
-                scores = self._scores(gen, verdict, len(new))
-                generated.extend(new)
-                if pending is not None:
-                    await pending  # rounds are committed and streamed in order
-                book = Round(gamma, verdict.accepted, tuple(verdict.keep_chances), len(new), active,
-                             gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
-                             gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls),
-                             gen.looked_up)
-                gen.calls.clear()
-                release, pending = self._end_round(gen, book, new, out_text, scores, emit,
-                                                   first=len(generated) == len(opened.resumed) + len(new))
-                if ahead is not None and not early:
-                    pre = await self.predraft.take(gen, ahead, verdict, gamma)
-                    self._take_draft_holds(gen)
-                gen.prefill_round = False
-                if reason in ("eos", "stop"):
-                    break
-            if pending is not None:
-                release.set()
-                await pending
-            tail = gen.text.flush()
-            if tail:
-                await emit(tail, [], [] if gen.logprobs else None)
-            ok = True
-        finally:
-            gen.closed = True
-            if release is not None:
-                release.set()
-            metrics.ACTIVE_SESSIONS.dec()
-            self.active -= 1
-            # shielded: a second cancellation (the server's deadline firing while the loop
-            # winds down) must not cut the release of the caches short
-            closing = asyncio.ensure_future(self._close(handle, req, owner, pending, gen.links, gen.late, ok))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-            await asyncio.shield(closing)
-        metrics.TOKENS.inc(len(generated) - len(opened.resumed))
-        prompt = None if gen.prompt_scores is None else gen.prompt_scores.result(handle.committed,
-                                                                                  handle.target_replica)
-        return Outcome(handle.session_id, generated, reason, gen.stats, gen.prompt_len, req.params.seed,
-                       handle.draft_replica, handle.target_replica, (time.perf_counter() - t_start) * 1000, prompt)
+        return req, opened, gen
+
+    async def _round(self, gen: Generation, req: GenerationRequest, flight: InFlight, resumed: int,
+                     emit: Emit) -> bool:
+        """One round: draft (or take the pre-draft), verify, apply, and hand the commit and
+        emit on to overlap the next round. → whether the answer has ended (its context full,
+        an end token or a stop string)."""
+        t_round, calls_before = time.perf_counter(), gen.stats.draft_ms + gen.stats.verify_ms
+        active = self.active
+        if gen.governed:
+            mode = self.governor.speculating(gen.policy.greedy, active)
+            gen.rounds_in_mode = gen.rounds_in_mode + 1 if mode == gen.speculating else 1
+            gen.speculating = mode
+        m = len(gen.handle.committed)
+        if m >= self.max_len:
+            flight.reason = "context"
+            return True
+        await self._probe_draft_pool(gen)
+        remaining = req.max_new_tokens - len(flight.generated)
+        pre = flight.pre
+        if pre is not None:
+            draft_tokens, dists, gamma, gen.runner_ups, gen.line = pre
+            gen.looked_up = False
+        else:
+            draft_tokens, dists, gamma = await self._draft(gen, remaining, m)
+        ahead = self.predraft.start(gen, draft_tokens, gamma, remaining, m)
+        plain = pre is None and ahead is None and bool(flight.generated)  # own calls only, past the prefill
+        if flight.release is not None:
+            flight.release.set()  # the previous round's commit follows this verification out
+        verdict = await self._verify_round(gen, draft_tokens, dists, ahead)
+        # a first round's token streams before its pre-draft is waited for (below):
+        # the draft's prefill of the prompt may outlast the target's
+        early = ahead is not None and not gen.prefill_round
+        flight.pre = await self.predraft.take(gen, ahead, verdict, gamma) if early else None
+        new, out_text, flight.reason = self._apply(gen, m, gamma, draft_tokens, verdict)
+        scores = self._scores(gen, verdict, len(new))
+        flight.generated.extend(new)
+        if flight.pending is not None:
+            await flight.pending  # rounds are committed and streamed in order
+        book = Round(gamma, verdict.accepted, tuple(verdict.keep_chances), len(new), active,
+                     gen.speculating, gen.rounds_in_mode, time.perf_counter() - t_round,
+                     gen.stats.draft_ms + gen.stats.verify_ms - calls_before, plain, tuple(gen.calls),
+                     gen.looked_up)
+        gen.calls.clear()
+        flight.release, flight.pending = self._end_round(gen, book, new, out_text, scores, emit,
+                                                         first=len(flight.generated) == resumed + len(new))
+        if ahead is not None and not early:
+            flight.pre = await self.predraft.take(gen, ahead, verdict, gamma)
+            self._take_draft_holds(gen)
+        gen.prefill_round = False
+        return flight.reason in ("eos", "stop")
 
     def _begin(self, req: GenerationRequest, handle: SessionHandle, deadline: float | None,
                prompt_len: int) -> Generation:

@@ -229,3 +229,22 @@ class Round:
     plain: bool  # its own calls only, past the prefill: a measure of the loop's overhead
     calls: tuple[Call, ...]
     looked_up: bool = False  # its draft came from prompt lookup: no draft's acceptance to learn from
+
+
+@dataclass
+class InFlight:
+    """What one round hands the next besides the generation: the answer so far, why it would
+    end now, a pre-draft of the next round, and the previous round's commit, which overlaps
+    the next round's verification (`Generator._end_round`)."""
+    generated: list[int]  # the answer's tokens, a retry's committed ones first
+    reason: str = "length"  # why the answer ends, were it to end now
+    # (tokens, distributions, γ, runner-ups, line) drafted while the previous round was verified
+    pre: tuple | None = None
+    pending: asyncio.Future | None = None  # the previous round's commit, then its emit
+    release: asyncio.Event | None = None  # lets that commit go (`Generator._finish_round`)
+
+    async def land(self) -> None:
+        """Lets the last round's commit go and waits for it and its emit."""
+        if self.pending is not None:
+            self.release.set()
+            await self.pending

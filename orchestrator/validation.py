@@ -25,6 +25,35 @@ MAX_ROLE_CHARS = 64
 
 
 def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit: int) -> GenerationRequest:
+    """A public request → the loop's request, or InvalidRequest naming the first field that is
+    out of range: a bad request is refused before any replica or Redis does work for it."""
+    ids = _prompt_ids(pb, tokenizer, vocab_size, max_len)
+    if not 1 <= pb.max_new_tokens <= max_new_tokens_limit:
+        raise InvalidRequest(f"max_new_tokens must lie in 1..{max_new_tokens_limit}, got {pb.max_new_tokens}")
+    params = _sampling_params(pb, vocab_size)
+    if not 0 <= pb.min_tokens <= pb.max_new_tokens:
+        raise InvalidRequest(f"min_tokens must lie in 0..max_new_tokens ({pb.max_new_tokens}), got {pb.min_tokens}")
+    if len(pb.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in pb.stop):
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    gamma, lookup = _speculation(pb, params.temperature)
+    if not 0 <= pb.top_logprobs <= MAX_TOP:
+        raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, got {pb.top_logprobs}")
+    if pb.top_logprobs and not (pb.logprobs or pb.prompt_logprobs):
+        raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
+    if pb.processed_logprobs and not (pb.logprobs or pb.prompt_logprobs):
+        raise InvalidRequest("processed_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
+                             stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
+                             keep_session=pb.keep_session, seeded=pb.HasField("seed"),
+                             request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
+                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
+                             stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos,
+                             processed_logprobs=pb.processed_logprobs, min_tokens=pb.min_tokens, lookup=lookup)
+
+
+def _prompt_ids(pb, tokenizer, vocab_size: int, max_len: int) -> list[int]:
+    """The request's prompt as token ids (given, tokenized, or a conversation through the chat
+    template), refused where it is ambiguous, empty or leaves the context no room."""
     if pb.prompt and pb.prompt_token_ids:
         raise InvalidRequest("give either prompt or prompt_token_ids, not both")
     if pb.messages and (pb.prompt or pb.prompt_token_ids):
@@ -52,8 +81,12 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
     if len(ids) >= max_len:
         raise InvalidRequest(f"the prompt has {len(ids)} tokens; the model context is {max_len} tokens "
                              "and at least one must be left to generate")
-    if not 1 <= pb.max_new_tokens <= max_new_tokens_limit:
-        raise InvalidRequest(f"max_new_tokens must lie in 1..{max_new_tokens_limit}, got {pb.max_new_tokens}")
+    return ids
+
+
+def _sampling_params(pb, vocab_size: int) -> SamplingParams:
+    """The law the replicas sample from, each field checked against its range; unset fields
+    take their off values, and a request without a seed gets a drawn one (its answer says it)."""
     temperature = pb.temperature if pb.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
@@ -70,23 +103,22 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(pb, name)) or not -2 <= getattr(pb, name) <= 2:
             raise InvalidRequest(f"{name} must lie in [-2, 2] (0 = off), got {getattr(pb, name)}")
-    bias = _logit_bias(pb, vocab_size)
-    if not 0 <= pb.min_tokens <= pb.max_new_tokens:
-        raise InvalidRequest(f"min_tokens must lie in 0..max_new_tokens ({pb.max_new_tokens}), got {pb.min_tokens}")
-    if len(pb.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in pb.stop):
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
+    return SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
+                          seed=seed, min_p=float(pb.min_p), repetition_penalty=float(repetition),
+                          presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
+                          logit_bias=_logit_bias(pb, vocab_size))
+
+
+def _speculation(pb, temperature: float) -> tuple[int | None, bool | None]:
+    """→ (the fixed γ, or None for the adaptive policy; prompt lookup as asked, or None where
+    unset), refused where they contradict each other or a seeded sampled request."""
     gamma = None
     if pb.HasField("num_speculative_tokens"):
         gamma = pb.num_speculative_tokens
         if not 0 <= gamma <= MAX_GAMMA:
             raise InvalidRequest(f"num_speculative_tokens must lie in 0..{MAX_GAMMA} (or be unset for "
                                  f"the adaptive policy), got {gamma}")
-    if not 0 <= pb.top_logprobs <= MAX_TOP:
-        raise InvalidRequest(f"top_logprobs must lie in 0..{MAX_TOP}, got {pb.top_logprobs}")
-    if pb.top_logprobs and not (pb.logprobs or pb.prompt_logprobs):
-        raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
-    if pb.processed_logprobs and not (pb.logprobs or pb.prompt_logprobs):
-        raise InvalidRequest("processed_logprobs needs logprobs or prompt_logprobs: set one of them to true as well")
     lookup = pb.prompt_lookup if pb.HasField("prompt_lookup") else None
     if lookup and gamma == 0:
         raise InvalidRequest("prompt_lookup asks for drafted rounds and num_speculative_tokens 0 for none: "
@@ -94,18 +126,7 @@ def validate(pb, tokenizer, vocab_size: int, max_len: int, max_new_tokens_limit:
     if lookup and pb.HasField("seed") and temperature > 0:
         raise InvalidRequest("prompt_lookup cannot go with a seed at temperature > 0: a seeded request must "
                              "reproduce, and where its rounds look up depends on the load")
-    seed = pb.seed if pb.HasField("seed") else random.getrandbits(63)
-    params = SamplingParams(temperature=float(temperature), top_k=min(pb.top_k, vocab_size), top_p=float(top_p),
-                            seed=seed, min_p=float(pb.min_p), repetition_penalty=float(repetition),
-                            presence_penalty=float(pb.presence_penalty), frequency_penalty=float(pb.frequency_penalty),
-                            logit_bias=bias)
-    return GenerationRequest(prompt_ids=ids, max_new_tokens=pb.max_new_tokens, params=params,
-                             stop=list(pb.stop), session_id=pb.session_id, gamma=gamma,
-                             keep_session=pb.keep_session, seeded=pb.HasField("seed"),
-                             request_id=pb.request_id, fingerprint=_fingerprint(pb) if pb.request_id else "",
-                             logprobs=pb.logprobs, top_logprobs=pb.top_logprobs, prompt_logprobs=pb.prompt_logprobs,
-                             stop_token_ids=_stop_token_ids(pb, vocab_size), ignore_eos=pb.ignore_eos,
-                             processed_logprobs=pb.processed_logprobs, min_tokens=pb.min_tokens, lookup=lookup)
+    return gamma, lookup
 
 
 def chat_prompt_ids(tokenizer, messages) -> list[int]:
