@@ -193,12 +193,8 @@ class ModelRunner:
         self.layers = [self._layer(layer, column_major) for layer in model.model.layers]
         if column_major:
             column_major_linears(model)  # o, down and the LM head
-        self.num_heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.max_length = cfg.max_position_embeddings
-        attn = model.model.layers[0].self_attn
-        self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self._geometry(cfg)
+        self.scaling = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         self.eps = model.model.norm.variance_epsilon
         # the embedding, the final norm and the LM head called as functions: the modules'
         # own calls cost a dispatch through nn.Module each (about 75 µs a step for HF's
@@ -213,17 +209,8 @@ class ModelRunner:
         self.paged = attention == "paged" or (attention == "auto" and self.device.type != "cpu")
         self._packed_attention = None if self.paged else self._choose_attention(attention)
         self.act = F.silu if cfg.hidden_act == "silu" else model.model.layers[0].mlp.act_fn
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
-            self.max_length = cfg.sliding_window  # stay inside full attention
         self._rope_tables()
-        # query i of a chunk fed at position s sees keys j ≤ s + i, i.e. column j − s + L of
-        # band[i] is set where that is ≤ i + L: any chunk of up to BAND rows is one slice
-        # (additive: 0 where a key is seen, −inf where not; SDPA turns a boolean mask into
-        # this on every call, 12–14 % of a short chunk's attention here, for the same numbers)
-        L = self.max_length
-        offsets = torch.arange(L + self.BAND, device=self.device) - L
-        self._band = self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
+        self._band = self._causal_band()
         # on a GPU, SDPA's kernels want grouped query heads folded and masks aligned
         # (`grouped_attention`, `aligned_mask`); a test turns this on to run that path here
         self.device_layout = self.device.type != "cpu"
@@ -235,6 +222,26 @@ class ModelRunner:
         # fixed from here on: the start-up log and every heartbeat's registry entry show it
         self.kernels_summary = f"products {self.kernels.describe()}; attention {self.attention}" + \
             ("; batch-invariant" if self.batch_invariant else "") + (f"; weights {quantize}" if quantize != "none" else "")
+
+    def _geometry(self, cfg) -> None:
+        """Heads, head size and the longest context served. A sliding-window model (Mistral,
+        Qwen2) is served within its window only, where its attention is full attention."""
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_length = cfg.max_position_embeddings
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+                and cfg.model_type in ("mistral", "qwen2") and cfg.sliding_window < self.max_length:
+            self.max_length = cfg.sliding_window
+
+    def _causal_band(self) -> torch.Tensor:
+        """Query i of a chunk fed at position s sees keys j ≤ s + i, i.e. column j − s + L of
+        band[i] is set where that is ≤ i + L: any chunk of up to BAND rows is one slice of it.
+        Additive (0 where a key is seen, −inf where not): SDPA turns a boolean mask into this
+        on every call, 12–14 % of a short chunk's attention here, for the same numbers."""
+        L = self.max_length
+        offsets = torch.arange(L + self.BAND, device=self.device) - L
+        return self._additive(offsets[None, :] <= torch.arange(self.BAND, device=self.device)[:, None])
 
     def _layer(self, layer, column_major: bool) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp

@@ -68,14 +68,15 @@ def test_causal_mask_table_matches_the_definition(target_model):
         assert torch.equal(mask[~expected], torch.full_like(mask[~expected], float("-inf"))), (start, n)
 
 
-def tiny_model(family, path):
+def tiny_model(family, path, **extra):
     """A tiny random model of `family` with grouped-query attention (4 heads, 2 kv heads),
-    saved and loaded back like any checkpoint."""
+    saved and loaded back like any checkpoint; `extra` are further config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, vocab_size=512, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+                                  head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+                                  **extra)
     torch.manual_seed(0)
     fresh = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # biases start at 0 and norms at 1: make them count
@@ -99,6 +100,24 @@ def test_other_llama_family_models_match_hugging_face(family, tmp_path):
     assert torch.allclose(first, ref[:24], atol=1e-4)
     assert torch.allclose(rest, ref[24:], atol=1e-4)
     assert torch.allclose(reference_logits(model, ids), ref)  # the HF modules still work on the fused weights
+
+
+@pytest.mark.parametrize("family,extra,served", [
+    ("mistral", {"sliding_window": 32}, 32),
+    ("qwen2", {"sliding_window": 32, "use_sliding_window": True}, 32),
+    ("qwen2", {"sliding_window": 32, "use_sliding_window": False}, 256),
+    ("mistral", {"sliding_window": 512}, 256),
+])
+def test_a_sliding_window_model_is_served_within_its_window(family, extra, served, tmp_path):
+    """Within its window a sliding-window model's attention is full attention, which the
+    runner computes: its context is the window, and there it matches Hugging Face."""
+    model = tiny_model(family, tmp_path, **extra)
+    runner = ModelRunner(model)
+    assert runner.max_length == served
+    ids = torch.randint(0, 512, (served,), generator=torch.Generator().manual_seed(4))
+    cache = runner.new_cache()
+    logits = runner.forward([ForwardItem(cache, ids, served)])[0]
+    assert torch.allclose(logits, reference_logits(model, ids), atol=1e-4)
 
 
 def test_an_aligned_mask_is_the_mask_repeated_in_an_aligned_buffer():
