@@ -459,20 +459,9 @@ async def serve(args: argparse.Namespace) -> None:
         pools = PoolClients(Registry(redis), args.draft_pool, args.target_pool, args.pool_ca_file,
                             args.client_cert_file, args.client_key_file, tls_server_name=args.pool_tls_server_name,
                             frames=args.internal_calls == "frames", prefix_affinity=args.prefix_affinity == "on")
-    costs = CostModel()
-    metrics.export_target_forward_ms(costs.forward.table)
-    governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)
-    metrics.export_governor(governor.table)
     orchestrator_id = Reaper.new_id()
     store = SessionStore(redis, args.session_ttl, lease_seconds=args.session_lease, orchestrator_id=orchestrator_id)
-    generator = Generator(pools, store, tokenizer, context, costs,
-                          overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
-                          overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
-                          calls=args.internal_calls,
-                          stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
-                          call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
-                          prefill_chunk=args.prefill_chunk, retry_window=args.retry_window,
-                          lookup=args.prompt_lookup, end_ids=end_ids, first_round=args.first_round)
+    generator = _generator(args, pools, store, tokenizer, context, end_ids)
     log.info("answers end at token ids %s (the tokenizer's EOS and the generation config's)", sorted(end_ids))
     shell = ServerShell([SERVICE], interceptors=[TokenAuth(token)] if token else [])
     servicer = OrchestratorServicer(generator, len(tokenizer), args.max_new_tokens, args.max_concurrent)
@@ -489,26 +478,49 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("orchestrator %s serving on %s:%d (tls=%s, auth=%s, event loop %s)", orchestrator_id, args.host, port,
              bool(creds), bool(token), event_loop.running())
     await shell.stopping.wait()
-    log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", args.drain_seconds)
     end_watch = watch_stop(args.drain_seconds)
-    # the servicer refuses new generations with UNAVAILABLE while those in flight finish, and
-    # only then does the server stop: calls that reached a server already stopping were
-    # seen to fail CANCELLED, which clients and gRPC's retry policies do not retry
-    servicer.draining = True
-    await shell.set_serving(False)
-    started = time.monotonic()
-    await servicer.drained(args.drain_seconds)
-    await shell.drain_and_stop(max(0.0, args.drain_seconds - (time.monotonic() - started)))
-    releasing = await generator.wind_down(WIND_DOWN_S)
-    if releasing:
-        log.warning("%d generation(s) cut short by the drain still releasing their sessions after %.0fs; "
-                    "their handles expire by TTL", releasing, WIND_DOWN_S)
+    await _drain(shell, servicer, generator, args.drain_seconds)
     await reaper.stop()
     await pools.close()
     await redis.aclose()
     await end_leftover_tasks()
     end_watch()
     log.info("stopped")
+
+
+def _generator(args: argparse.Namespace, pools: PoolClients, store: SessionStore, tokenizer, context: int,
+               end_ids: frozenset[int]) -> Generator:
+    """The loop, with the cost model and the load governor it learns as it runs (their tables
+    exported as metrics)."""
+    costs = CostModel()
+    metrics.export_target_forward_ms(costs.forward.table)
+    governor = LoadGovernor(enabled=args.load_governor == "on", margin=args.load_governor_margin)
+    metrics.export_governor(governor.table)
+    return Generator(pools, store, tokenizer, context, costs,
+                     overlap=args.overlap_min_hit <= 1, overlap_min_hit=args.overlap_min_hit,
+                     overlap_min_use=args.overlap_min_use, overlap_forks=args.overlap_forks,
+                     calls=args.internal_calls,
+                     stop_below=(args.stop_below_greedy, args.stop_below_sampled), governor=governor,
+                     call_timeout=args.call_timeout, draft_wait=args.draft_wait_ms / 1000 or None,
+                     prefill_chunk=args.prefill_chunk, retry_window=args.retry_window,
+                     lookup=args.prompt_lookup, end_ids=end_ids, first_round=args.first_round)
+
+
+async def _drain(shell: ServerShell, servicer: OrchestratorServicer, generator: Generator, seconds: float) -> None:
+    """The servicer refuses new generations with UNAVAILABLE while those in flight finish, and
+    only then does the server stop: calls that reached a server already stopping were seen
+    to fail CANCELLED, which clients and gRPC's retry policies do not retry. Generations the
+    drain cut short then get WIND_DOWN_S to release their sessions."""
+    log.info("draining: refusing new calls, finishing streams in flight (up to %.0fs)", seconds)
+    servicer.draining = True
+    await shell.set_serving(False)
+    started = time.monotonic()
+    await servicer.drained(seconds)
+    await shell.drain_and_stop(max(0.0, seconds - (time.monotonic() - started)))
+    releasing = await generator.wind_down(WIND_DOWN_S)
+    if releasing:
+        log.warning("%d generation(s) cut short by the drain still releasing their sessions after %.0fs; "
+                    "their handles expire by TTL", releasing, WIND_DOWN_S)
 
 
 def main(argv: list[str] | None = None) -> None:
