@@ -238,6 +238,39 @@ def processes(stack) -> dict[str, int]:
     return procs
 
 
+class MemoryWatch:
+    """The stack's processes' resident memory, and each replica's KV caches, read every
+    MEMORY_SAMPLE_SECONDS over the run: growth the caches do not explain is a leak."""
+
+    def __init__(self, stack, t_start: float) -> None:
+        self.stack, self.t_start = stack, t_start
+        self.procs = processes(stack)  # those at the start: a restarted one is a new process
+        self.rss: dict[str, list[tuple[float, float | None]]] = {name: [] for name in self.procs}
+        self.kv: dict[str, list[tuple[float, float]]] = {}
+
+    async def read(self) -> None:
+        t = time.monotonic() - self.t_start
+        for name, pid in self.procs.items():
+            self.rss[name].append((t, resident_mib(pid)))
+        for name, mib in (await asyncio.to_thread(kv_cache_mib, self.stack)).items():
+            self.kv.setdefault(name, []).append((t, mib))
+
+    async def sample(self) -> None:
+        """Reads until cancelled."""
+        while True:
+            await asyncio.sleep(MEMORY_SAMPLE_SECONDS)
+            await self.read()
+
+    def summary(self) -> dict[str, dict]:
+        """Each process's `memory_summary`; a replica's also of its memory less its caches."""
+        memory = {name: memory_summary(samples) for name, samples in self.rss.items()}
+        for name, kv in self.kv.items():
+            if name in memory:
+                memory[name]["kv_mean"] = sum(m for _, m in kv) / len(kv)
+                memory[name]["less_kv"] = memory_summary(less_kv(self.rss[name], kv))
+        return memory
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     ordered = sorted(values)
 
@@ -614,21 +647,12 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
     clients go on past `seconds` (for twice as long again at most) until the churn has stopped
     `min_stops` servers: a slow machine's restarts take longer, and a short run that a test
     makes must still see its stops."""
-    procs = processes(stack)
-    readings: dict[str, list[tuple[float, float | None]]] = {name: [] for name in procs}
-    kv_readings: dict[str, list[tuple[float, float]]] = {}
-
-    async def read_memory() -> None:
-        t = time.monotonic() - t_start
-        for name, pid in procs.items():
-            readings[name].append((t, resident_mib(pid)))
-        for name, mib in (await asyncio.to_thread(kv_cache_mib, stack)).items():
-            kv_readings.setdefault(name, []).append((t, mib))
     before = await sessions_held(stack)
     tally, issued = Tally(), 0
     t_start = time.monotonic()
     t_end = t_start + seconds
-    await read_memory()
+    watch = MemoryWatch(stack, t_start)
+    await watch.read()
     timeout = max(30.0, 2 * seconds)
 
     def going_on() -> bool:
@@ -643,14 +667,9 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
             i, issued = issued, issued + 1  # the clients take the kinds in turn between them
             await one_request(front, i, max_new_tokens, tally, timeout)
 
-    async def sample_memory() -> None:
-        while True:
-            await asyncio.sleep(MEMORY_SAMPLE_SECONDS)
-            await read_memory()
-
     front = Front(stack)
     restarts: list[str] = []
-    sampler = asyncio.create_task(sample_memory())
+    sampler = asyncio.create_task(watch.sample())
     try:
         kernels = replica_kernels(stack)  # and every replica started in the run
         stop_chaos = asyncio.Event()
@@ -665,12 +684,8 @@ async def soak(stack, streams: int, seconds: float, max_new_tokens: int,
         sampler.cancel()
         await front.close()
     elapsed = time.monotonic() - t_start
-    await read_memory()
-    memory = {name: memory_summary(samples) for name, samples in readings.items()}
-    for name, kv in kv_readings.items():
-        if name in memory:
-            memory[name]["kv_mean"] = sum(m for _, m in kv) / len(kv)
-            memory[name]["less_kv"] = memory_summary(less_kv(readings[name], kv))
+    await watch.read()
+    memory = watch.summary()
     engines = engine_shares(stack)
     left = await leftovers(stack, before)
 

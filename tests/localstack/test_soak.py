@@ -9,7 +9,7 @@ import time
 import pytest
 
 from localstack.soak import (CHAOS_SIGNALS, KINDS, chaos_plan, format_report, kv_cache_mib, less_kv, memory_summary,
-                             parse_variant, passed, soak, stack_env)
+                             parse_variant, passed, processes, soak, stack_env)
 from localstack.stack import Variant
 
 pytestmark = pytest.mark.e2e
@@ -22,6 +22,10 @@ def test_a_short_soak_through_every_kind_of_request_leaves_nothing_behind(local_
     assert report["cancelled"] >= 1
     # each prompt's greedy requests (adaptive γ, γ = 4, target-only) share one key
     assert report["compared"]["greedy"] >= 6
+    # every server's memory was read, at the start and at the end
+    memory = report["memory_mib"]
+    assert set(memory) == set(processes(local_stack)), memory
+    assert all(m["start"] > 0 and m["end"] > 0 for m in memory.values()), memory
 
 
 def test_servers_stopped_under_a_soak_are_invisible_to_its_clients(bundled_paths):
