@@ -479,22 +479,10 @@ def verify(
     if gammas is None:
         gammas = torch.full((B,), G, dtype=torch.long, device=p.device)
     rows = torch.arange(B, device=p.device)
-    w_n = None
     if G > 0:
-        p_x = p[:, :G].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-        q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
-        if rule == "block":
-            w = block_weights(p_x, q_x)
-            mass = torch.zeros(B, G + 1, dtype=torch.float64, device=p.device)
-            if G > 1:  # after prefixes 1 .. γ − 1: the rows of the next positions
-                mass[:, 1:G] = residual_mass(w[:, 1:G].reshape(-1), p[:, 1:G].reshape(B * (G - 1), -1),
-                                             q[:, 1:G].reshape(B * (G - 1), -1)).view(B, G - 1)
-            accepted = block_accepted(w, mass, u_accept, gammas)
-            w_n = torch.where(accepted < gammas, w[rows, accepted], 1.0)  # the bonus is p's own draw
-        else:
-            accepted = accepted_lengths(p_x, q_x, u_accept, gammas)
+        accepted, w_n = _accept(draft_tokens, q, p, u_accept, gammas, rule)
     else:
-        accepted = torch.zeros(B, dtype=torch.long, device=p.device)
+        accepted, w_n = torch.zeros(B, dtype=torch.long, device=p.device), None
     p_n = p[rows, accepted]  # [B, V]
     if G > 0:
         rejected = (accepted < gammas).unsqueeze(-1)
@@ -507,6 +495,26 @@ def verify(
         if bool(full.any()):
             next_token = torch.where(full, race_argmax(p_n, bonus_noise).to(p.device), next_token)
     return VerifyResult(accepted=accepted, next_token=next_token)
+
+
+def _accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor,
+            gammas: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`verify`'s acceptance for γ ≥ 1: → (the accepted lengths [B]; under the block rule,
+    the weight at each session's first rejection, 1 where it accepted all, which scales its
+    residual; None under the token rule)."""
+    B, G = draft_tokens.shape
+    p_x = p[:, :G].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    if rule != "block":
+        return accepted_lengths(p_x, q_x, u_accept, gammas), None
+    w = block_weights(p_x, q_x)
+    mass = torch.zeros(B, G + 1, dtype=torch.float64, device=p.device)
+    if G > 1:  # after prefixes 1 .. γ − 1: the rows of the next positions
+        mass[:, 1:G] = residual_mass(w[:, 1:G].reshape(-1), p[:, 1:G].reshape(B * (G - 1), -1),
+                                     q[:, 1:G].reshape(B * (G - 1), -1)).view(B, G - 1)
+    accepted = block_accepted(w, mass, u_accept, gammas)
+    rows = torch.arange(B, device=p.device)
+    return accepted, torch.where(accepted < gammas, w[rows, accepted], 1.0)  # the bonus is p's own draw
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
