@@ -388,14 +388,7 @@ class ModelRunner:
             positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
                                      device=self.device)
         cos, sin = self._rotation(positions)
-        if self.paged:  # one plan for every layer (the reservations above have settled the blocks)
-            fold = self.num_heads // self.kv_heads if self.device_layout else 1
-            masks, kvs = paged_attention.plan([it.cache for it in items], starts, lengths, self.BAND, fold,
-                                              self.dtype, self.device), None
-        elif self._packed_attention is None:
-            masks, kvs = [self._sdpa_mask(s, n) for s, n in zip(starts, lengths)], None
-        else:  # the caches' buffers, which the reservations above have settled for this forward
-            masks, kvs = None, [it.cache.kv for it in items]
+        masks, kvs = self._attention_inputs(items, starts, lengths)
         x = F.embedding(ids, self.embed)  # [N, hidden]
         fused = self._decoder_layer is not None and self.kernels.kernel(x.shape[0]) == HALF
         if fused:
@@ -422,6 +415,19 @@ class ModelRunner:
         for it, s, n in zip(items, starts, lengths):
             it.cache.length = s + n
         return logits
+
+    def _attention_inputs(self, items: list[ForwardItem], starts: list[int],
+                          lengths: list[int]) -> tuple[object, list | None]:
+        """→ (masks, kvs), what every layer of one forward's attention takes: a paged plan, each
+        session's SDPA mask, or the caches' buffers for the native kernel. Made after the
+        caches' reservations, which settle their blocks and buffers for this forward."""
+        if self.paged:
+            fold = self.num_heads // self.kv_heads if self.device_layout else 1
+            return paged_attention.plan([it.cache for it in items], starts, lengths, self.BAND, fold,
+                                        self.dtype, self.device), None
+        if self._packed_attention is None:
+            return [self._sdpa_mask(s, n) for s, n in zip(starts, lengths)], None
+        return None, [it.cache.kv for it in items]
 
     @torch.inference_mode()
     def draft_greedy(self, items: list[ForwardItem], gammas: list[int], shapings: list | None = None
