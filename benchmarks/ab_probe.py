@@ -101,7 +101,7 @@ async def alternate(addresses: dict[str, str], prompt_ids, runs, rounds: int, pe
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ab_probe", description=__doc__.split("\n\n")[1])
     ap.add_argument("--arm", action="append", default=[],
                     help="name=ORCHESTRATOR_FLAGS, once per arm (at least two), e.g. --arm base= "
@@ -126,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="held-out prompts joined into each prompt (default 1; 10 makes prompts of 300-450 "
                          "tokens, longer than --prefill-chunk's default 256)")
     add_workload_args(ap, warm_up=3.0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
     if len(arms) < 2 or len({name for name, _ in arms}) != len(arms):
         raise SystemExit("give at least two --arm name=FLAGS, with different names")

@@ -105,7 +105,7 @@ def median_us(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.attention_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(BUNDLED_TARGET), help="model directory whose config sets the shapes")
     ap.add_argument("--batches", default="4,16", help="sessions per batch, comma-separated (default 4,16)")
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache-length ranges to draw from, comma-separated LOW-HIGH (default 40-150,40-500)")
     ap.add_argument("--tokens", type=int, default=5, help="new tokens per session (default 5: γ = 4)")
     ap.add_argument("--reps", type=int, default=50, help="timed calls of each way per case (default 50)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:

@@ -88,13 +88,17 @@ async def probe(port: int, redis_pid: int, sessions: int, turns: int, rounds: in
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.commit_probe", description=__doc__.split("\n\n")[1])
     ap.add_argument("--sessions", type=int, default=16, help="sessions committing in each turn (default 16)")
     ap.add_argument("--turns", type=int, default=300, help="turns per way and round (default 300)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the three ways, order reversed "
                                                          "every round (default 3)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if min(args.sessions, args.turns, args.rounds) < 1:
         raise SystemExit("--sessions, --turns and --rounds must be at least 1")
     stack = LocalStack()

@@ -66,14 +66,18 @@ def single_session_forward(runner: ModelRunner):
     return forward
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compile_probe", description=__doc__.split("\n\n")[1])
     ap.add_argument("--model", default=str(BUNDLED_TARGET), help="model directory (default: the bundled target)")
     ap.add_argument("--cache", type=int, default=64, help="cached positions before each timed call (default 64)")
     ap.add_argument("--tokens", default="1,5", help="new tokens per call, comma-separated (default 1,5)")
     ap.add_argument("--calls", type=int, default=100, help="timed calls per system and size (default 100)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a replica)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     sizes = [int(s) for s in args.tokens.split(",") if s]
     if args.cache < 1 or args.calls < 1 or not sizes or min(sizes) < 1 or args.cache + max(sizes) > 2048:
         raise SystemExit("--cache, --calls and --tokens must be positive, and cache + tokens at most 2048")

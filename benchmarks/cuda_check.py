@@ -220,11 +220,16 @@ def _run(check, *args) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cuda_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (the GPU's layout forced)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts of the loop check (default 3)")
     ap.add_argument("--tokens", type=int, default=48, help="new tokens a loop check generates (default 48)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -80,7 +80,7 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--cost-reps", type=int, default=10, help="repetitions per timed forward (default 10)")
     ap.add_argument("--json", type=Path, help="also write the numbers as JSON here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     if any(m not in MODES for m in modes):
         raise SystemExit(f"modes must be among {', '.join(MODES)}")

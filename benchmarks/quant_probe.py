@@ -23,7 +23,7 @@ from specdec import native
 from specdec.quantize import quantize_linears_, round_linear_inputs_
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.quant_probe", description=__doc__.split("\n\n")[1])
     ap.add_argument("--draft", default=str(BUNDLED_DRAFT), help="draft model directory (default: the bundled draft)")
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help="target model directory (default: the bundled target)")
@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="generated requests per seed base (default 32; 0: none)")
     ap.add_argument("--seed-bases", default="1000,5000,9000", help="seed bases of the generated runs (default 1000,5000,9000)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generated request (default 64)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.windows < 1 or args.seq < 2:
         raise SystemExit("--windows must be at least 1 and --seq at least 2")
     try:

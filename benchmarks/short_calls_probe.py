@@ -18,7 +18,7 @@ import time
 from localstack.stack import LocalStack, free_port, scrape_metrics
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.short_calls_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--callers", default="16,16,16,16,16,16,16,16,4,4",
                     help="concurrent callers of each batch, comma-separated (default: eight batches of 16, two of 4)")
@@ -28,6 +28,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", default="def main(", help="of each call")
     ap.add_argument("--orchestrator-args", default="--load-governor off",
                     help="flags of the orchestrator (default: '--load-governor off', so that the γ policy alone decides)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.callers.split(",")]

@@ -238,7 +238,7 @@ class InFlight:
     the next round's verification (`Generator._end_round`)."""
     generated: list[int]  # the answer's tokens, a retry's committed ones first
     reason: str = "length"  # why the answer ends, were it to end now
-    # (tokens, distributions, γ, runner-ups, line) drafted while the previous round was verified
+    # the next round's draft (predraft.NextDraft), made while the previous round was verified
     pre: tuple | None = None
     pending: asyncio.Future | None = None  # the previous round's commit, then its emit
     release: asyncio.Event | None = None  # lets that commit go (`Generator._finish_round`)

@@ -36,7 +36,7 @@ OVERLAP_FORKS = 0
 FORK_MIN_HIT = 0.03  # a branch is forked when its chance of use is at least this
 
 # the next round's (draft tokens, their distributions or None, γ, runner-ups, line), as
-# `Generator.run` takes a round's draft
+# `Generator._round` takes a round's draft (`InFlight.pre`)
 NextDraft = tuple[list[int], "replica_pb2.DraftDistributions | None", int, "list[int] | None", "int | None"]
 
 

@@ -101,14 +101,18 @@ def _load():
                               extra_cflags=["-O3"], verbose=False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m specdec.native`: build (or find) the kernels now, as make setup and the
-    image do, so that no server's start waits for the compiler."""
+def build_parser():
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m specdec.native", description=main.__doc__)
     ap.add_argument("--cache", help="build into this directory (default $SPECDEC_KERNEL_CACHE or ~/.cache/specdec/kernels)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specdec.native`: build (or find) the kernels now, as make setup and the
+    image do, so that no server's start waits for the compiler."""
+    args = build_parser().parse_args(argv)
     if args.cache:
         os.environ["SPECDEC_KERNEL_CACHE"] = args.cache
     logging.basicConfig(level="INFO", format="%(message)s")

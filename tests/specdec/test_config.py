@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,12 +67,27 @@ def _bare_flags(parser, prefix: str = "") -> list[str]:
     return bare
 
 
-@pytest.mark.parametrize("module", ["orchestrator.server", "orchestrator.client",
-                                    "draft_service.server", "target_service.server",
-                                    "localstack.__main__", "deploy.__main__", "deploy.loadtest.loadgen",
-                                    "training.train_pair", "training.distill", "training.deepen"])
+def _cli_modules() -> list[str]:
+    """Every module of the repository that builds a command line's parser."""
+    root = Path(__file__).resolve().parents[2]
+    files = subprocess.run(["git", "grep", "-l", "^def build_parser(", "--", "*.py"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split()
+    return sorted(f[:-3].replace("/", ".").removesuffix(".__init__") for f in files if not f.startswith("tests/"))
+
+
+CLI_MODULES = _cli_modules()
+
+
+def test_the_clis_are_all_found():
+    assert {"orchestrator.server", "orchestrator.client", "draft_service.server", "target_service.server",
+            "localstack.__main__", "deploy.__main__", "deploy.loadtest.loadgen", "training.train_pair",
+            "training.distill", "training.deepen", "benchmarks.bench", "benchmarks.ab_probe",
+            "specdec.native"} <= set(CLI_MODULES), CLI_MODULES
+
+
+@pytest.mark.parametrize("module", CLI_MODULES)
 def test_every_flag_says_what_it_does(module):
     """--help is the reference a user reads first: a flag listed with nothing but its
-    environment variable (or its name) tells them nothing."""
+    environment variable (or its name) tells them nothing. Every CLI, the benchmarks' too."""
     bare = _bare_flags(importlib.import_module(module).build_parser())
     assert not bare, f"{module}: flags without a description: {bare}"
