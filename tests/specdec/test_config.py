@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -91,3 +92,36 @@ def test_every_flag_says_what_it_does(module):
     environment variable (or its name) tells them nothing. Every CLI, the benchmarks' too."""
     bare = _bare_flags(importlib.import_module(module).build_parser())
     assert not bare, f"{module}: flags without a description: {bare}"
+
+
+def _env_value(action: argparse.Action) -> str:
+    """A value for `action`'s variable that is not its default, of its type."""
+    if action.choices:
+        return next(str(c) for c in action.choices if c != action.default)
+    if action.type is int:
+        return str((action.default or 0) + 7)
+    if action.type is float:
+        return str((action.default or 0.0) + 0.375)
+    return "a-value-from-the-environment"
+
+
+@pytest.mark.parametrize("module", ["orchestrator.server", "draft_service.server", "target_service.server"])
+def test_every_server_flag_is_set_by_the_variable_its_help_names(module, monkeypatch):
+    """A container is configured through SPECDEC_ variables (deploy/), and --help names each
+    flag's: a variable misnamed there, or read under another name, would leave a manifest's
+    setting silently unapplied. Each flag's help names SPECDEC_<FLAG>, and that variable
+    alone sets its default."""
+    build = importlib.import_module(module).build_parser
+    for name in [k for k in os.environ if k.startswith("SPECDEC_")]:
+        monkeypatch.delenv(name)
+    actions = [a for a in build()._actions if a.option_strings and a.dest != "help"]
+    assert actions
+    for action in actions:
+        named = re.findall(r"\[(SPECDEC_\w+)\]", action.help or "")
+        assert named == ["SPECDEC_" + action.dest.upper()], (action.option_strings, named)
+        value = _env_value(action)
+        monkeypatch.setenv(named[0], value)
+        default = next(a for a in build()._actions if a.dest == action.dest).default
+        monkeypatch.delenv(named[0])
+        assert str(default) == str(action.type(value) if action.type and not action.choices else value), \
+            (action.option_strings, default, value)
