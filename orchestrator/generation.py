@@ -402,6 +402,9 @@ class Generator:
 
     # ----------------------------------------------------------------- the loop
     async def run(self, req: GenerationRequest, emit: Emit, deadline: float | None = None) -> Outcome:
+        """One call's answer: its session opened (a retry's found where it left off), rounds
+        until the answer ends, each round's text, tokens and scores to `emit` once committed,
+        then the session released, or unlocked where it is kept, whatever ended the call."""
         t_start = time.perf_counter()
         owner = uuid.uuid4().hex  # this call, as the holder of its session's lease
         req, opened, gen = await self._start(req, owner, deadline, t_start)
