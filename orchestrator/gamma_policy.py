@@ -552,6 +552,11 @@ class SessionPolicy:
         self.trials = decay * self.trials + sum(trials)
 
     def choose(self, costs: CostModel) -> int:
+        """This round's γ: of those whose expected tokens per ms of round (from the session's
+        acceptance estimate and the measured costs) come near the best, the shortest
+        (`shortest_near_best`; a seeded session the plain best, on the reference costs, so
+        that it reproduces). Now and then a neighbour of the best (`_explore`), and while the
+        best is γ = 0 a short draft, so that the costs and the acceptance stay measured."""
         if self.fixed is not None:
             return self.fixed
         rates = self.estimate = self.pooled_rates(costs)

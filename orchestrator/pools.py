@@ -121,6 +121,8 @@ class PoolClients:
         return self.mux(kind, address)
 
     def mark_down(self, address: str) -> None:
+        """A replica a call failed on: avoided for `avoid_seconds` by new placements, and its
+        channel and links dropped so that the next call to it, if any, connects afresh."""
         self._down[address] = time.monotonic() + self.avoid_seconds
         ch = self._channels.pop(address, None)
         self._stubs.pop(("draft", address), None)
@@ -139,6 +141,8 @@ class PoolClients:
         return until is not None and until > time.monotonic()
 
     async def live(self, kind: str) -> list[ReplicaInfo]:
+        """The live replicas of a pool, those marked down left out; the registry is read at
+        most once every `cache_seconds`, not once a call."""
         now = time.monotonic()
         cached = self._live_cache.get(kind)
         if cached and now - cached[0] < self.cache_seconds:

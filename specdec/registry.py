@@ -69,6 +69,9 @@ class Registry:
             await pipe.execute()
 
     async def live(self, pool: str) -> list[ReplicaInfo]:
+        """The replicas of `pool` whose heartbeat entry has not expired; members whose entry
+        has (a replica killed without deregistering) are dropped from the pool's set here, by
+        whoever reads it first, so that no sweeper process is needed."""
         try:
             members = sorted(m.decode() for m in await self.redis.smembers(POOLS + pool))
             if not members:

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def build_runner(args: argparse.Namespace, prog: str = "replica") -> ModelRunner:
+    """The replica's model on its device and dtype, with its kernels chosen; a model or a
+    setting it cannot serve ends the process with one line (`refusing_to_start`)."""
     setup_logging(args.log_level, args.log_format)  # before the model loads, so that its line (device, dtype) is logged
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -193,6 +193,8 @@ class SessionStore:
             raise Unavailable(f"Redis is unavailable: {exc}") from exc
 
     async def load(self, session_id: str) -> SessionHandle:
+        """A session's handle as last committed. It takes no lease: `acquire` and the
+        reaper take one first, so that the handle they read is not one a call is changing."""
         meta_key, toks_key = self._keys(session_id)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
