@@ -1,7 +1,8 @@
 """The commands the docs show use flags their CLIs have: a flag renamed or removed in the
 code, and left in README.md, fails a user who copies the line. Each `python -m MODULE ...`
 in a code block or an inline code span is read, and every `--flag` it passes (to the
-command or to its subcommand) must be one of that parser's options."""
+command or to its subcommand) must be one of that parser's options; each `make TARGET
+[VAR=...]` must name a target of the Makefile and variables its recipes read."""
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,10 @@ FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*(=.*)?$")
 def code_of(text: str) -> list[str]:
     """The fenced blocks (a line continued with a backslash joined to the next) and the
     inline code spans (which may wrap) of a Markdown text."""
-    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
-    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
-    spans = re.findall(r"`([^`]+)`", prose)
+    fence = r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```"  # a list item's block is indented
+    blocks = re.findall(fence, text, flags=re.S | re.M)
+    prose = re.sub(fence, "", text, flags=re.S | re.M)
+    spans = [s for paragraph in prose.split("\n\n") for s in re.findall(r"`([^`]+)`", paragraph)]
     return [b.replace("\\\n", " ") for b in blocks] + [s.replace("\n", " ") for s in spans]
 
 
@@ -38,7 +40,7 @@ def commands(text: str) -> list[tuple[str, str]]:
     """(module, the rest of its line) of each `python -m module` in the text's code."""
     found = []
     for code in code_of(text):
-        found += re.findall(r"python -m ([\w.]+)([^\n|;&#`)]*)", code)
+        found += re.findall(r"python -m ([a-z_]\w*(?:\.\w+)*)([^\n|;&#`)]*)", code)
     return found
 
 
@@ -100,3 +102,33 @@ def test_the_reader_finds_the_commands_and_a_flag_that_is_not_there():
     assert unknown_flags(deploy, tokens(found[1][1])) == []
     assert unknown_flags(deploy, ["apply", "--overlay", "--streams"]) == []  # a value, not a flag
     assert unknown_flags(deploy, ["apply", "--streams", "1"]) == ["--streams"]
+
+
+def make_calls(text: str) -> list[tuple[str, list[str]]]:
+    """(target, the variables it is given) of each `make TARGET [VAR=value ...]` in the
+    text's code; an optional variable may stand in brackets."""
+    found = []
+    for code in code_of(text):
+        for m in re.finditer(r"(?<![\w/-])make ([a-z][\w-]*)((?: \[?[A-Z_]+=(?:'[^']*'|\S+?)\]?(?= |$))*)", code):
+            found.append((m.group(1), re.findall(r"([A-Z_]+)=", m.group(2))))
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_the_make_targets_a_doc_names_are_the_makefiles(doc):
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, flags=re.M))
+    # make's own $(VAR), or the recipe's shell reading $${VAR:-default}
+    variables = set(re.findall(r"\$\(([A-Z_]+)\)|\$\$\{([A-Z_]+)", makefile))
+    variables = {name for pair in variables for name in pair if name}
+    problems = [f"make {target}: no such target" for target, _ in make_calls((REPO_ROOT / doc).read_text())
+                if target not in targets]
+    problems += [f"make {target} {var}=: the Makefile reads no {var}"
+                 for target, given in make_calls((REPO_ROOT / doc).read_text()) for var in given
+                 if var not in variables]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_reader_finds_make_calls_and_their_variables():
+    text = "Run `make soak SOAK_STREAMS=8 [SOAK_ARGS='--chaos-signal term']` or `make test`; `cmake build`."
+    assert make_calls(text) == [("soak", ["SOAK_STREAMS", "SOAK_ARGS"]), ("test", [])]
