@@ -499,9 +499,9 @@ def verify(
 
 def _accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor,
             gammas: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`verify`'s acceptance for γ ≥ 1: → (the accepted lengths [B]; under the block rule,
-    the weight at each session's first rejection, 1 where it accepted all, which scales its
-    residual; None under the token rule)."""
+    """`verify`'s acceptance for γ ≥ 1: → (the accepted lengths n [B]; under the block rule
+    the weight w_n of each session's kept prefix, which scales its residual, 1 where it kept
+    all; None under the token rule)."""
     B, G = draft_tokens.shape
     p_x = p[:, :G].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
     q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
