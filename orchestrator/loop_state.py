@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from orchestrator.gamma_policy import SessionPolicy
 from orchestrator.ngram import LookupPolicy, NgramIndex
@@ -20,6 +20,9 @@ from specdec.loop_stats import LoopStats
 from specdec.rounds import Ends
 from specdec.sampling_params import SamplingParams
 from specdec.session_store import SessionHandle
+
+if TYPE_CHECKING:  # predraft imports this module
+    from orchestrator.predraft import NextDraft
 
 
 @dataclass
@@ -238,8 +241,7 @@ class InFlight:
     the next round's verification (`Generator._end_round`)."""
     generated: list[int]  # the answer's tokens, a retry's committed ones first
     reason: str = "length"  # why the answer ends, were it to end now
-    # the next round's draft (predraft.NextDraft), made while the previous round was verified
-    pre: tuple | None = None
+    pre: NextDraft | None = None  # the next round's draft, made while the previous round was verified
     pending: asyncio.Future | None = None  # the previous round's commit, then its emit
     release: asyncio.Event | None = None  # lets that commit go (`Generator._finish_round`)
 
