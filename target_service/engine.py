@@ -105,28 +105,12 @@ class TargetEngine:
         self.sessions.validate(job.ref, extra=gamma)
 
     def verify(self, jobs: list[VerifyJob]) -> list[Verdict | SpecDecError]:
+        """One batch of verifications in one forward pass over every session's pending tokens
+        and draft; each gets its verdict (accepted length, next token) with its cache cut to
+        the kept prefix, and a bad job its error, the rest going on."""
         t0 = time.perf_counter()
-        results: list[Verdict | SpecDecError | None] = [None] * len(jobs)
-        busy = {j.ref.session_id for j in jobs}
-        last = {j.ref.session_id: i for i, j in enumerate(jobs)}
-        live, caches, items, resynced = [], [], [], {}
-        for i, job in enumerate(jobs):
-            try:
-                if last[job.ref.session_id] != i:
-                    raise CacheMismatch(f"session {job.ref.session_id}: two verifications in one batch")
-                self._check(job)
-                # a new session may start from another's copied prefix, unless every fed row is asked for
-                cache, resynced[i] = self.sessions.acquire(job.ref, exact=True, busy=busy,
-                                                           reuse=not job.fed_logprobs)
-            except SpecDecError as exc:
-                # a refusal travels as a value: without its traceback, which would hold this
-                # frame (the batch's logits and caches) in a cycle until the cyclic GC ran
-                results[i] = exc.with_traceback(None)
-                continue
-            caches.append(cache)
-            live.append(i)
-        self.sessions.make_room([(cache, jobs[i].ref.start + jobs[i].forward_size)
-                                 for i, cache in zip(live, caches)], busy)
+        results, live, caches, resynced = self._admit(jobs)
+        items = []
         for i, cache in zip(live, caches):
             job = jobs[i]
             fed = job.ref.tokens + job.draft_tokens
@@ -149,6 +133,33 @@ class TargetEngine:
                 results[i] = Verdict(n, token, item.cache.length, resynced[i], ms, len(live), rows, chances, *score,
                                      *fed_score)
         return results  # type: ignore[return-value]
+
+    def _admit(self, jobs: list[VerifyJob]) -> tuple[list, list[int], list, dict[int, bool]]:
+        """Validate every job and take its cache: → (results with each refused job's error in
+        its place, the indices of the jobs that go on, their caches, whether each was
+        resynced), then room made for the batch's growth at once. A new session may start
+        from another's copied prefix, unless every fed row's scores are asked for."""
+        results: list[Verdict | SpecDecError | None] = [None] * len(jobs)
+        busy = {j.ref.session_id for j in jobs}
+        last = {j.ref.session_id: i for i, j in enumerate(jobs)}
+        live, caches, resynced = [], [], {}
+        for i, job in enumerate(jobs):
+            try:
+                if last[job.ref.session_id] != i:
+                    raise CacheMismatch(f"session {job.ref.session_id}: two verifications in one batch")
+                self._check(job)
+                cache, resynced[i] = self.sessions.acquire(job.ref, exact=True, busy=busy,
+                                                           reuse=not job.fed_logprobs)
+            except SpecDecError as exc:
+                # a refusal travels as a value: without its traceback, which would hold this
+                # frame (the batch's logits and caches) in a cycle until the cyclic GC ran
+                results[i] = exc.with_traceback(None)
+                continue
+            caches.append(cache)
+            live.append(i)
+        self.sessions.make_room([(cache, jobs[i].ref.start + jobs[i].forward_size)
+                                 for i, cache in zip(live, caches)], busy)
+        return results, live, caches, resynced
 
     @staticmethod
     def _split_fed_rows(jobs: list[VerifyJob], items: list[ForwardItem],
