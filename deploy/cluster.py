@@ -78,6 +78,10 @@ def missing_secrets(api: client.ApiClient, namespace: str, names: set[str]) -> l
 
 def apply_objects(api: client.ApiClient, objs: list[dict], dry_run: bool = False,
                   log: Callable[[str], None] = print) -> None:
+    """Server-side apply of every object, the kinds others need first (namespace, accounts,
+    secrets, config, then workloads: `apply_order`), taking over fields another manager set
+    (`force_conflicts`): re-applying an overlay converges it. A Job whose template changed is skipped, since a Job's pod
+    template cannot change and a finished download needs no re-run."""
     dynamic = DynamicClient(api)
     for obj in apply_order(objs):
         meta = obj["metadata"]
@@ -131,6 +135,9 @@ def statefulset_progress(sts: client.V1StatefulSet) -> tuple[bool, str]:
 def wait_for_rollouts(api: client.ApiClient, namespace: str, deployments: tuple[str, ...],
                       statefulsets: tuple[str, ...] = (), timeout_s: float = 900.0,
                       poll_s: float = 3.0, log: Callable[[str], None] = print) -> None:
+    """Polls the workloads until each has rolled out, logging each one's progress line when
+    it changes; RolloutFailed naming those still pending after `timeout_s` (a model download
+    on a first GPU apply wants a long one)."""
     apps = client.AppsV1Api(api)
     pending = [("sts", n) for n in statefulsets] + [("deploy", n) for n in deployments]
     deadline = time.monotonic() + timeout_s

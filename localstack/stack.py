@@ -136,6 +136,8 @@ class LocalStack:
                                 stderr=subprocess.STDOUT if out else None, start_new_session=True)
 
     def start_redis(self, port: int = 0) -> None:
+        """The stack's own redis-server (append-only file in the stack's directory, no RDB
+        snapshots), waited for up to 10 s; what stops it is said with the tail of its log."""
         self.redis_port = port or self.redis_port or free_port()
         args = [redis_server_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--appendonly", "yes", "--appendfsync", "everysec",

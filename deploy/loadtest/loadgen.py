@@ -192,6 +192,9 @@ def percentile(sorted_values: list[float], p: float) -> float:
 
 
 def summarize(results: list[CallResult], total_s: float, name: str = "") -> dict:
+    """ghz's summary fields (count, rps, latency percentiles, histogram, status codes and
+    errors) of the calls, with the tokens they generated and the speculation's per-round
+    averages beside them."""
     latencies = sorted(r.latency_s * 1000 for r in results)
     ok = [r for r in results if r.code == "OK"]
     errors = Counter(r.error for r in results if r.code != "OK")
