@@ -526,7 +526,7 @@ async def _drain(shell: ServerShell, servicer: OrchestratorServicer, generator: 
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = parse_args(ap, argv)
-    for flag in ("stop_below_greedy", "stop_below_sampled"):
+    for flag in ("stop_below_greedy", "stop_below_sampled", "load_governor_margin"):
         if not 0 <= getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must lie in [0, 1), got {getattr(args, flag)}")
     if not 0 <= args.overlap_forks <= 16:
@@ -547,8 +547,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--session-ttl must be at least 1 second, got {args.session_ttl}")
     if not 0 <= args.overlap_min_use <= 1:
         ap.error(f"--overlap-min-use must lie in [0, 1], got {args.overlap_min_use}")
-    if not 0 <= args.load_governor_margin < 1:
-        ap.error(f"--load-governor-margin must lie in [0, 1), got {args.load_governor_margin}")
     with refusing_to_start("orchestrator"):
         loop = event_loop.resolve(args.event_loop)
     event_loop.run(serve(args), loop)
